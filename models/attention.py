@@ -1,0 +1,112 @@
+"""Pre-norm attention pieces: RMSNorm, rotary embeddings (half-split layout), grouped-query attention
+with a preallocated KV cache.
+
+Shapes: B batch, S new positions, L cache length, H query heads, G kv heads, Dh head dim, D model dim.
+The KV cache is indexed by *slot*; a sequence's rotary position is its slot minus its left padding,
+so prompts of different lengths share one cache and one step counter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the weight, as the reference does, so bf16 matches it.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotary_tables(positions_BS: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin tables [B, 1, S, Dh], computed in fp32 and cast like the reference."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions_BS.device, dtype=torch.float) / head_dim))
+    freqs = positions_BS[..., None].float() * inv_freq  # [B, S, Dh/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, Dh]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class AttentionContext:
+    """Everything the attention of one forward call needs besides its input; built once per call."""
+
+    start: int  # first cache slot written by this call
+    cos: torch.Tensor  # [B, 1, S, Dh]
+    sin: torch.Tensor
+    mask: torch.Tensor  # [B, 1, S, start+S] bool, True = may attend
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, batch: int, seq: int, start: int, pad_B: torch.Tensor | None,
+              device: torch.device, dtype: torch.dtype) -> AttentionContext:
+        q_slot = torch.arange(start, start + seq, device=device)  # [S]
+        k_slot = torch.arange(start + seq, device=device)  # [L]
+        pad = torch.zeros(batch, dtype=torch.long, device=device) if pad_B is None else pad_B.to(device)
+        positions = (q_slot[None, :] - pad[:, None]).clamp(min=0)  # [B, S]
+        cos, sin = rotary_tables(positions, cfg.head_dim, cfg.rope_theta, dtype)
+        causal = k_slot[None, :] <= q_slot[:, None]  # [S, L]
+        if cfg.sliding_window is not None:
+            causal &= k_slot[None, :] > q_slot[:, None] - cfg.sliding_window
+        # Padding slots are never attended to; a padding query still sees itself so no row is all -inf (NaN).
+        real_key = k_slot[None, :] >= pad[:, None]  # [B, L]
+        diagonal = k_slot[None, :] == q_slot[:, None]  # [S, L]
+        mask = causal[None] & (real_key[:, None, :] | diagonal[None])
+        return cls(start=start, cos=cos, sin=sin, mask=mask[:, None])
+
+
+class KVCache(nn.Module):
+    """Preallocated keys and values [B, G, L, Dh] of one attention block."""
+
+    def __init__(self, batch: int, n_kv_heads: int, length: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        shape = (batch, n_kv_heads, length, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = start + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"KV cache holds {self.k.shape[2]} positions, asked to write up to {end}")
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x_BSD: torch.Tensor, ctx: AttentionContext, cache: KVCache | None) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        q = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, S, Dh]
+        k = self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, G, S, Dh]
+        v = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
+        if cache is not None:
+            k, v = cache.update(ctx.start, k, v)  # [B, G, start+S, Dh]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask,
+                                             enable_gqa=self.n_heads != self.n_kv_heads)
+        return self.wo(out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))

@@ -1,0 +1,172 @@
+"""Model configuration: one small dataclass, read from Hugging Face `config.json` or Mistral `params.json`.
+
+Holds architecture only; where the parts run (ranks, placement) lives in `moe.placement`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration field is missing or inconsistent; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_dim: int  # expert (SwiGLU) inner size
+    vocab_size: int
+    n_experts: int = 1
+    top_k: int = 1
+    norm_eps: float = 1e-5
+    rope_theta: float = 1e6
+    sliding_window: int | None = None
+    max_seq_len: int = 32768
+    tie_embeddings: bool = False
+    bos_id: int | None = 1
+    eos_id: int | None = 2
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "vocab_size",
+                     "n_experts", "top_k", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"config field {name} must be a positive integer, got {value!r}")
+        if self.top_k > self.n_experts:
+            raise ConfigError(f"top_k={self.top_k} is larger than n_experts={self.n_experts}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ConfigError(f"sliding_window must be positive or null, got {self.sliding_window}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 1
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    # ---- Hugging Face config.json ---------------------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Mixtral (`num_local_experts`) or dense Mistral/Llama-style config (E=1, k=1)."""
+        def need(key: str) -> Any:
+            if key not in cfg:
+                raise ConfigError(f"config.json has no field {key!r}")
+            return cfg[key]
+
+        dim, n_heads = need("hidden_size"), need("num_attention_heads")
+        return cls(
+            dim=dim,
+            n_layers=need("num_hidden_layers"),
+            n_heads=n_heads,
+            n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=cfg.get("head_dim") or dim // n_heads,
+            hidden_dim=need("intermediate_size"),
+            vocab_size=need("vocab_size"),
+            n_experts=cfg.get("num_local_experts", 1),
+            top_k=cfg.get("num_experts_per_tok", 1),
+            norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=_hf_rope_theta(cfg),
+            sliding_window=cfg.get("sliding_window"),
+            max_seq_len=cfg.get("max_position_embeddings", 32768),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            bos_id=_first(cfg.get("bos_token_id", 1)),
+            eos_id=_first(cfg.get("eos_token_id", 2)),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        cfg: dict[str, Any] = {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "hidden_size": self.dim,
+            "intermediate_size": self.hidden_dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "num_local_experts": self.n_experts,
+            "num_experts_per_tok": self.top_k,
+            "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "sliding_window": self.sliding_window,
+            "max_position_embeddings": self.max_seq_len,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": self.tie_embeddings,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_id,
+            "eos_token_id": self.eos_id,
+        }
+        return cfg
+
+    # ---- Mistral params.json ----------------------------------------------------------------------
+
+    @classmethod
+    def from_mistral(cls, params: dict[str, Any]) -> ModelConfig:
+        def need(key: str) -> Any:
+            if key not in params:
+                raise ConfigError(f"params.json has no field {key!r}")
+            return params[key]
+
+        dim, n_heads = need("dim"), need("n_heads")
+        moe = params.get("moe") or {}
+        return cls(
+            dim=dim,
+            n_layers=need("n_layers"),
+            n_heads=n_heads,
+            n_kv_heads=params.get("n_kv_heads") or n_heads,
+            head_dim=params.get("head_dim") or dim // n_heads,
+            hidden_dim=need("hidden_dim"),
+            vocab_size=need("vocab_size"),
+            n_experts=moe.get("num_experts", 1),
+            top_k=moe.get("num_experts_per_tok", 1),
+            norm_eps=params.get("norm_eps", 1e-5),
+            rope_theta=params.get("rope_theta", 1e4),
+            sliding_window=params.get("sliding_window"),
+            max_seq_len=params.get("max_seq_len", params.get("max_position_embeddings", 32768)),
+            tie_embeddings=bool(params.get("tied_embeddings", False)),
+        )
+
+    def to_mistral(self) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "dim": self.dim,
+            "n_layers": self.n_layers,
+            "head_dim": self.head_dim,
+            "hidden_dim": self.hidden_dim,
+            "n_heads": self.n_heads,
+            "n_kv_heads": self.n_kv_heads,
+            "norm_eps": self.norm_eps,
+            "vocab_size": self.vocab_size,
+            "rope_theta": self.rope_theta,
+            "max_seq_len": self.max_seq_len,
+        }
+        if self.sliding_window is not None:
+            params["sliding_window"] = self.sliding_window
+        if self.tie_embeddings:
+            params["tied_embeddings"] = True
+        if self.is_moe:
+            params["moe"] = {"num_experts": self.n_experts, "num_experts_per_tok": self.top_k}
+        return params
+
+
+def _hf_rope_theta(cfg: dict[str, Any]) -> float:
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ConfigError(f"config.json asks for rope_type={rope_type!r}; only default RoPE is supported")
+    return float(rope.get("rope_theta", cfg.get("rope_theta", 1e6)))
+
+
+def _first(value: Any) -> Any:
+    return value[0] if isinstance(value, list) and value else value

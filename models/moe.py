@@ -1,0 +1,118 @@
+"""Mixture-of-experts feed-forward with three seams: router, dispatcher, experts.
+
+Shapes: T tokens, D model dim, F expert hidden dim, E experts (global), El experts held here, K top-k,
+N = T*K token copies.
+
+- `Router`: gate logits -> top-k expert ids and fp32 weights (softmax over the k chosen logits).
+- `LocalDispatcher`: groups the N copies by expert, lets the experts run, weights and sums the results.
+  Expert parallelism (`moe.expert_parallel`) swaps in a dispatcher that exchanges the grouped copies
+  between ranks; neither the router nor the experts change.
+- `GroupedExperts`: stacked SwiGLU weights `w1 [El, F, D]`, `w2 [El, D, F]`, `w3 [El, F, D]` for the
+  global experts `expert_ids`; sees only copies already grouped by expert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.config import ModelConfig
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, n_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.n_experts, self.top_k = n_experts, top_k
+        # A dense checkpoint (E=1) has no gate: every token goes to expert 0 with weight 1.
+        self.weight = nn.Parameter(torch.empty(n_experts, dim)) if n_experts > 1 else None
+        # Debug mode: copy j of token t goes to expert (t*K + j) % E, weight 1/K; exact loads for tests.
+        self.round_robin = False
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        T = x_TD.shape[0]
+        if self.weight is None or self.round_robin:
+            ids_TK = torch.arange(T * self.top_k, device=x_TD.device).view(T, self.top_k) % self.n_experts
+            weights_TK = torch.full((T, self.top_k), 1.0 / self.top_k, device=x_TD.device)
+            return weights_TK, ids_TK
+        logits_TE = F.linear(x_TD, self.weight)
+        top_logits_TK, ids_TK = torch.topk(logits_TE.float(), self.top_k, dim=-1)
+        return torch.softmax(top_logits_TK, dim=-1), ids_TK
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int, expert_ids: list[int]) -> None:
+        super().__init__()
+        self.expert_ids = list(expert_ids)  # global id of each stacked expert, in order
+        n = len(self.expert_ids)
+        self.w1 = nn.Parameter(torch.empty(n, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(n, hidden_dim, dim))
+
+    def forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor) -> torch.Tensor:
+        """x_ND holds counts_El[0] copies for stacked expert 0, then counts_El[1] for expert 1, ..."""
+        out_ND = torch.empty_like(x_ND)
+        # One host sync per layer: the split sizes decide which experts run and on which rows.
+        counts = counts_El.tolist()
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue  # an expert that got no token does not run
+            rows = x_ND[start:start + n]
+            h = F.silu(rows @ self.w1[e].T) * (rows @ self.w3[e].T)
+            out_ND[start:start + n] = h @ self.w2[e].T
+            start += n
+        return out_ND
+
+
+@dataclass
+class Grouping:
+    """How the N = T*K token copies are ordered by expert."""
+
+    order_N: torch.Tensor  # position in the flattened [T*K] copies of each grouped row
+    token_N: torch.Tensor  # token index of each grouped row
+    counts_E: torch.Tensor  # copies per expert (global ids)
+
+
+def group_by_expert(ids_TK: torch.Tensor, n_experts: int) -> Grouping:
+    flat_ids = ids_TK.reshape(-1)
+    # Stable sort keeps copies of one expert in token order, so results are deterministic.
+    order = torch.sort(flat_ids, stable=True).indices
+    counts = torch.bincount(flat_ids, minlength=n_experts)
+    return Grouping(order_N=order, token_N=order // ids_TK.shape[1], counts_E=counts)
+
+
+def combine(y_ND: torch.Tensor, weights_TK: torch.Tensor, grouping: Grouping, n_tokens: int) -> torch.Tensor:
+    """Weight each expert result by its router weight and sum the K copies of every token."""
+    w_N = weights_TK.reshape(-1)[grouping.order_N, None]
+    weighted = (y_ND * w_N).to(y_ND.dtype)  # weights are fp32; cast like the reference before summing
+    out_TD = torch.zeros(n_tokens, y_ND.shape[1], dtype=y_ND.dtype, device=y_ND.device)
+    return out_TD.index_add_(0, grouping.token_N, weighted)
+
+
+class LocalDispatcher:
+    """All experts are on this device: group, run, combine."""
+
+    def __call__(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
+                 experts: GroupedExperts, n_experts: int) -> torch.Tensor:
+        grouping = group_by_expert(ids_TK, n_experts)
+        y_ND = experts(x_TD[grouping.token_N], grouping.counts_E)
+        return combine(y_ND, weights_TK, grouping, x_TD.shape[0])
+
+
+class MoEFeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig, expert_ids: list[int] | None = None) -> None:
+        super().__init__()
+        self.n_experts = cfg.n_experts
+        self.gate = Router(cfg.dim, cfg.n_experts, cfg.top_k)
+        self.experts = GroupedExperts(cfg.dim, cfg.hidden_dim, expert_ids or list(range(cfg.n_experts)))
+        self.dispatcher = LocalDispatcher()
+        # Token copies routed to each expert: row 0 prefill, row 1 decode. Counted on device, read on demand.
+        self.register_buffer("load_counts", torch.zeros(2, cfg.n_experts, dtype=torch.long), persistent=False)
+
+    def forward(self, x_TD: torch.Tensor, decoding: bool = False) -> torch.Tensor:
+        weights_TK, ids_TK = self.gate(x_TD)
+        self.load_counts[int(decoding)] += torch.bincount(ids_TK.reshape(-1), minlength=self.n_experts)
+        return self.dispatcher(x_TD, weights_TK, ids_TK, self.experts, self.n_experts)

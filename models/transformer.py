@@ -1,0 +1,77 @@
+"""The Mixtral decoder on one device: embedding, blocks of (attention, MoE feed-forward), norm, head.
+
+Blocks live in a `ModuleDict` keyed by their global index, so parameter names (`layers.17.*`) stay the
+same whatever subset a rank holds. This file knows nothing of ranks; `moe.placement` prunes and rewires it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.attention import Attention, AttentionContext, KVCache, RMSNorm
+from models.config import ModelConfig
+from models.moe import MoEFeedForward
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = MoEFeedForward(cfg)
+
+    def attend(self, h_BSD: torch.Tensor, ctx: AttentionContext, cache: KVCache | None) -> torch.Tensor:
+        return h_BSD + self.attention(self.attention_norm(h_BSD), ctx, cache)
+
+    def forward(self, h_BSD: torch.Tensor, ctx: AttentionContext, cache: KVCache | None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        h_BSD = self.attend(h_BSD, ctx, cache)
+        return add_feed_forward(h_BSD, self.ffn_norm(h_BSD), rows,
+                                lambda x: self.feed_forward(x, decoding=ctx.start > 0))
+
+
+def add_feed_forward(h_BSD: torch.Tensor, x_BSD: torch.Tensor, rows: torch.Tensor | None, ffn) -> torch.Tensor:
+    """h + ffn(x) over the real tokens only: `rows` indexes the non-padding tokens of the flattened batch."""
+    B, S, D = h_BSD.shape
+    x_TD = x_BSD.reshape(B * S, D)
+    if rows is None:
+        return h_BSD + ffn(x_TD).view(B, S, D)
+    out_TD = torch.zeros_like(x_TD)
+    out_TD[rows] = ffn(x_TD[rows])
+    return h_BSD + out_TD.view(B, S, D)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def make_caches(self, batch: int, length: int) -> dict[str, KVCache]:
+        p = self.tok_embeddings.weight if self.tok_embeddings is not None else next(self.parameters())
+        return {name: KVCache(batch, self.cfg.n_kv_heads, length, self.cfg.head_dim, p.dtype, p.device)
+                for name in self.layers}
+
+    def forward(self, tokens_BS: torch.Tensor, start: int = 0, caches: dict[str, KVCache] | None = None,
+                pad_B: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, S, V] for tokens at cache slots start..start+S; `pad_B` counts each row's left padding."""
+        B, S = tokens_BS.shape
+        h = self.tok_embeddings(tokens_BS)
+        ctx = AttentionContext.build(self.cfg, B, S, start, pad_B, h.device, h.dtype)
+        rows = real_token_rows(pad_B, S, start)
+        for name, block in self.layers.items():
+            h = block(h, ctx, caches[name] if caches is not None else None, rows)
+        return self.output(self.norm(h))
+
+
+def real_token_rows(pad_B: torch.Tensor | None, seq: int, start: int) -> torch.Tensor | None:
+    """Flat indices of non-padding tokens, or None when every token is real."""
+    if pad_B is None or start >= int(pad_B.max()):
+        return None
+    slots = torch.arange(start, start + seq, device=pad_B.device)
+    return (slots[None, :] >= pad_B[:, None]).reshape(-1).nonzero().squeeze(1)

@@ -1,0 +1,6 @@
+"""Mixtral-style mixture-of-experts inference with experts and layers placed over ranks."""
+
+from moe.api import MoEModel
+from moe.checkpoint.files import CheckpointError
+
+__all__ = ["MoEModel", "CheckpointError"]

@@ -1,0 +1,88 @@
+"""`MoEModel`: the user-facing handle. Loads a checkpoint, runs forward passes and generation.
+
+It delegates to an engine: `LocalEngine` for one rank; the N-rank engine drives worker processes.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from models.config import ModelConfig
+from moe.build import build_model
+from moe.generation import SamplingParams, check_prompts, generate_tokens
+from moe.local import LocalEngine
+from moe.tokenizer import IncrementalDecoder, Tokenizer
+
+
+class MoEModel:
+    def __init__(self, engine, config: ModelConfig, tokenizer: Tokenizer | None, info: dict) -> None:
+        self.engine, self.config, self._tokenizer, self.info = engine, config, tokenizer, info
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype | None = None, device: str = "cpu",
+                        gpus: int = 1, progress: Callable[[str], None] | None = None) -> MoEModel:
+        """Load a Hugging Face or Mistral consolidated directory; `gpus` ranks share the model."""
+        if gpus != 1:
+            raise NotImplementedError("gpus > 1 needs the N-rank engine")
+        model, ckpt, stats = build_model(path, dtype, device, progress=progress)
+        tok_path = Path(path) / "tokenizer.model"
+        tokenizer = Tokenizer(tok_path) if tok_path.exists() else None
+        info = {"format": ckpt.fmt, "dtype": str(model.norm.weight.dtype).removeprefix("torch."), **stats}
+        return cls(LocalEngine(model), ckpt.config, tokenizer, info)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer.model; pass token ids instead of text")
+        return self._tokenizer
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [batch, seq, vocab] for a LongTensor [batch, seq] (no cache, positions from 0)."""
+        if input_ids.dim() != 2 or input_ids.dtype != torch.long:
+            raise ValueError(f"input_ids must be a LongTensor [batch, seq], "
+                             f"got {input_ids.dtype} {list(input_ids.shape)}")
+        check_prompts(input_ids.tolist(), self.config.vocab_size, self.config.max_seq_len + 1)
+        return self.engine.logits(input_ids)
+
+    def generate(self, prompts: list[str] | list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 streamer: Callable[[int, str | int], None] | None = None) -> list[str] | list[list[int]]:
+        """New text per prompt for string prompts, new token ids per prompt for token-id prompts.
+
+        `streamer(prompt_index, piece)` receives each new text piece (or token id) as soon as it exists.
+        """
+        if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, list):
+            raise TypeError("prompts must be a list of strings or a list of token-id lists")
+        is_text = bool(prompts) and all(isinstance(p, str) for p in prompts)
+        if is_text and any(not p for p in prompts):
+            raise ValueError(f"prompt {[bool(p) for p in prompts].index(False)} is empty")
+        ids = [self.tokenizer.encode(p) for p in prompts] if is_text else [list(map(int, p)) for p in prompts]
+        check_prompts(ids, self.config.vocab_size, self.config.max_seq_len)
+        params = SamplingParams(max_new_tokens, temperature, top_p, top_k,
+                                seed if seed is not None else random.randrange(2**31))
+        eos = self._tokenizer.eos_id if self._tokenizer is not None else self.config.eos_id
+        on_token = None
+        if streamer is not None and is_text:
+            decoders = [IncrementalDecoder(self.tokenizer) for _ in ids]
+            def on_token(b: int, t: int) -> None:  # noqa: E306
+                piece = decoders[b].push(t)
+                if piece:
+                    streamer(b, piece)
+        elif streamer is not None:
+            on_token = streamer
+        result = generate_tokens(self.engine, ids, params, eos, self.config.max_seq_len, on_token)
+        self.last_result = result
+        return [self.tokenizer.decode(t) for t in result.tokens] if is_text else result.tokens
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> MoEModel:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,36 @@
+"""Build a model from a checkpoint directory: config, meta-device modules, prune, load this rank's tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from models.transformer import Transformer
+from moe.checkpoint.formats import CheckpointFormat, detect
+from moe.checkpoint.loader import load_into, parse_dtype
+
+
+def build_model(directory: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu",
+                prune: Callable[[Transformer], None] | None = None,
+                progress: Callable[[str], None] | None = None) -> tuple[Transformer, CheckpointFormat, dict]:
+    ckpt = detect(directory)
+    torch_dtype = parse_dtype(dtype, ckpt.torch_dtype)
+    with torch.device("meta"):
+        model = Transformer(ckpt.config)
+    full_shapes = {k: v.shape for k, v in model.state_dict().items()}
+    if prune is not None:
+        prune(model)
+    stats = load_into(model, ckpt, directory, full_shapes, torch_dtype, device, progress)
+    materialize_buffers(model, device)
+    model.eval().requires_grad_(False)
+    return model, ckpt, stats
+
+
+def materialize_buffers(model: torch.nn.Module, device: str | torch.device) -> None:
+    """Non-persistent buffers (load counters) are not in the checkpoint: create them as zeros."""
+    for module in model.modules():
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if buf.is_meta:
+                module.register_buffer(name, torch.zeros(buf.shape, dtype=buf.dtype, device=device), persistent=False)

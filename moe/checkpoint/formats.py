@@ -1,0 +1,144 @@
+"""Checkpoint layouts: one declarative map from our parameter names to each format's tensor names.
+
+Ours are Mistral's names with experts stacked (`layers.{i}.feed_forward.experts.w1` is `[E, F, D]`).
+Loader, saver and converter all go through `external_name`, so a name is spelled in one place only.
+Mistral's consolidated q/k rows use the interleaved RoPE layout; ours (and Hugging Face's) the
+half-split one: `to_half_split` / `to_interleaved` convert at the boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from models.config import ConfigError, ModelConfig
+from moe.checkpoint.files import CheckpointError, refuse_pickles
+
+HF, MISTRAL = "hf", "mistral"
+
+_COMMON_HF = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "layers.{i}.attention.wq.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "layers.{i}.attention.wk.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "layers.{i}.attention.wv.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "layers.{i}.attention.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
+}
+_COMMON_MISTRAL = {k: k for k in _COMMON_HF}
+
+NAME_MAPS: dict[tuple[str, bool], dict[str, str]] = {
+    (HF, True): _COMMON_HF | {
+        "layers.{i}.feed_forward.gate.weight": "model.layers.{i}.block_sparse_moe.gate.weight",
+        "layers.{i}.feed_forward.experts.w1": "model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
+        "layers.{i}.feed_forward.experts.w2": "model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight",
+        "layers.{i}.feed_forward.experts.w3": "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight",
+    },
+    (HF, False): _COMMON_HF | {
+        "layers.{i}.feed_forward.experts.w1": "model.layers.{i}.mlp.gate_proj.weight",
+        "layers.{i}.feed_forward.experts.w2": "model.layers.{i}.mlp.down_proj.weight",
+        "layers.{i}.feed_forward.experts.w3": "model.layers.{i}.mlp.up_proj.weight",
+    },
+    (MISTRAL, True): _COMMON_MISTRAL | {
+        "layers.{i}.feed_forward.gate.weight": "layers.{i}.feed_forward.gate.weight",
+        "layers.{i}.feed_forward.experts.w1": "layers.{i}.feed_forward.experts.{e}.w1.weight",
+        "layers.{i}.feed_forward.experts.w2": "layers.{i}.feed_forward.experts.{e}.w2.weight",
+        "layers.{i}.feed_forward.experts.w3": "layers.{i}.feed_forward.experts.{e}.w3.weight",
+    },
+    (MISTRAL, False): _COMMON_MISTRAL | {
+        "layers.{i}.feed_forward.experts.w1": "layers.{i}.feed_forward.w1.weight",
+        "layers.{i}.feed_forward.experts.w2": "layers.{i}.feed_forward.w2.weight",
+        "layers.{i}.feed_forward.experts.w3": "layers.{i}.feed_forward.w3.weight",
+    },
+}
+EXPERT_PARAMS = ("w1", "w2", "w3")
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+def is_stacked_expert(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in EXPERT_PARAMS and ".experts." in name
+
+
+def external_name(fmt: str, cfg: ModelConfig, name: str, expert: int | None = None) -> str:
+    """The format's tensor name for our parameter `name` (and expert index, for stacked expert weights)."""
+    m = _LAYER.match(name)
+    template = _LAYER.sub("layers.{i}.", name) if m else name
+    if cfg.tie_embeddings and template == "output.weight":
+        template = "tok_embeddings.weight"
+    out = NAME_MAPS[(fmt, cfg.is_moe)][template]
+    return out.format(i=m.group(1) if m else "", e=expert)
+
+
+def all_external_names(fmt: str, cfg: ModelConfig, names: list[str]) -> set[str]:
+    out = set()
+    for name in names:
+        experts = range(cfg.n_experts) if is_stacked_expert(name) else [None]
+        out.update(external_name(fmt, cfg, name, e) for e in experts)
+    return out
+
+
+def needs_rope_permute(fmt: str, name: str) -> str | None:
+    """'wq' or 'wk' when the format stores this weight in the interleaved RoPE layout."""
+    if fmt == MISTRAL and name.endswith(("attention.wq.weight", "attention.wk.weight")):
+        return name.split(".")[-2]
+    return None
+
+
+def to_half_split(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Interleaved rotary pairs (0,1),(2,3).. -> halves (0..Dh/2-1 | Dh/2..), per head."""
+    rows, cols = w.shape
+    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    rows, cols = w.shape
+    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+@dataclass(frozen=True)
+class CheckpointFormat:
+    fmt: str
+    config: ModelConfig
+    weight_files: list[str]  # candidate weight files when there is no index
+    torch_dtype: str | None
+
+
+def detect(directory: str | Path) -> CheckpointFormat:
+    """Read the config of a HF (`config.json`) or Mistral consolidated (`params.json`) directory."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise CheckpointError(f"{d}: checkpoint directory does not exist")
+    if (d / "config.json").exists():
+        raw = _read_json(d / "config.json")
+        files = sorted(p.name for p in d.glob("*.safetensors"))
+        fmt, cfg = HF, _config(ModelConfig.from_hf, raw, d / "config.json")
+        dtype = raw.get("dtype") or raw.get("torch_dtype")
+    elif (d / "params.json").exists():
+        raw = _read_json(d / "params.json")
+        files = sorted(p.name for p in d.glob("consolidated*.safetensors"))
+        fmt, cfg, dtype = MISTRAL, _config(ModelConfig.from_mistral, raw, d / "params.json"), None
+    else:
+        if any(p.suffix in (".bin", ".pt", ".pth") for p in d.iterdir()):
+            refuse_pickles(d)
+        raise CheckpointError(f"{d}: neither config.json (Hugging Face) nor params.json (Mistral) found")
+    return CheckpointFormat(fmt, cfg, files, dtype)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot parse JSON ({e})") from None
+
+
+def _config(parse, raw: dict, path: Path) -> ModelConfig:
+    try:
+        return parse(raw)
+    except (ConfigError, TypeError) as e:
+        raise CheckpointError(f"{path}: {e}") from None

@@ -1,0 +1,97 @@
+"""Write a model's tensors as a Hugging Face or Mistral consolidated directory.
+
+Names go through the same map as loading (`formats.external_name`), so what we write we can read.
+The directory appears atomically: files go to a temporary sibling that is renamed at the end, so an
+interrupted save never leaves a directory that looks like a valid checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from models.config import ModelConfig
+from moe.checkpoint.files import HF_INDEX, CheckpointError
+from moe.checkpoint.formats import HF, MISTRAL, external_name, is_stacked_expert, needs_rope_permute, to_interleaved
+
+
+def to_external(state: dict[str, torch.Tensor], cfg: ModelConfig, fmt: str,
+                expert_ids: dict[str, list[int]] | None = None) -> dict[str, torch.Tensor]:
+    """Our names and stacked experts -> the format's names, one tensor per expert."""
+    out = {}
+    for name, t in state.items():
+        if name == "output.weight" and cfg.tie_embeddings:
+            continue
+        if is_stacked_expert(name):
+            ids = (expert_ids or {}).get(name, range(t.shape[0]))
+            for row, e in enumerate(ids):
+                out[external_name(fmt, cfg, name, e)] = t[row].contiguous()
+            continue
+        kind = needs_rope_permute(fmt, name)
+        if kind is not None:
+            t = to_interleaved(t, cfg.n_heads if kind == "wq" else cfg.n_kv_heads)
+        out[external_name(fmt, cfg, name)] = t.contiguous()
+    return out
+
+
+def plan_shards(tensors: dict[str, torch.Tensor], max_bytes: int | None) -> list[list[str]]:
+    """Group tensor names, in order, into files of at most `max_bytes` (a larger tensor gets a file alone)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if max_bytes is not None and shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+def write_hf_shards(tensors: dict[str, torch.Tensor], directory: Path, max_bytes: int | None) -> None:
+    shards = plan_shards(tensors, max_bytes)
+    if len(shards) == 1:
+        save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, names in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: tensors[n] for n in names}, directory / fname, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, fname))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / HF_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def save_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path, fmt: str = HF,
+                    tokenizer: str | Path | None = None, max_shard_bytes: int | None = None) -> Path:
+    """Write safetensors plus config (and tokenizer) to `out_dir`, atomically."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise CheckpointError(f"{out_dir}: output directory exists and is not empty")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is meant to be shared
+    try:
+        tensors = to_external({k: v.detach().cpu() for k, v in state.items()}, cfg, fmt)
+        if fmt == MISTRAL:
+            save_file(tensors, tmp / "consolidated.safetensors")
+            (tmp / "params.json").write_text(json.dumps(cfg.to_mistral(), indent=2) + "\n")
+        else:
+            write_hf_shards(tensors, tmp, max_shard_bytes)
+            (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, tmp / "tokenizer.model")
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

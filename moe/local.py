@@ -1,0 +1,37 @@
+"""The one-rank engine: the whole model in this process."""
+
+from __future__ import annotations
+
+import torch
+
+from models.attention import KVCache
+from models.transformer import Transformer
+
+
+class LocalEngine:
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+        self.caches: dict[str, KVCache] | None = None
+
+    def start(self, batch: int, length: int) -> None:
+        self.caches = self.model.make_caches(batch, length)
+
+    @torch.inference_mode()
+    def forward_last(self, tokens_BS: torch.Tensor, start: int, pad_B: torch.Tensor) -> torch.Tensor:
+        device = self.model.tok_embeddings.weight.device
+        logits = self.model(tokens_BS.to(device), start, self.caches, pad_B.to(device))
+        return logits[:, -1]
+
+    def share(self, tokens_B: torch.Tensor) -> torch.Tensor:
+        return tokens_B.cpu()
+
+    @torch.inference_mode()
+    def logits(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens_BS.to(self.model.tok_embeddings.weight.device))
+
+    def load_counts(self) -> torch.Tensor:
+        """[layers, 2, E] token copies routed to each expert (prefill, decode)."""
+        return torch.stack([b.feed_forward.load_counts.cpu() for b in self.model.layers.values()])
+
+    def close(self) -> None:
+        self.caches = None

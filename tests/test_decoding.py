@@ -1,0 +1,67 @@
+"""KV-cache decoding against full forward passes, and batches of different lengths against single prompts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe import MoEModel
+from tests.checkpoints import tiny_config, write_checkpoint
+
+
+@pytest.fixture(scope="module", params=[None, 4], ids=["full-attention", "window4"])
+def model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "m"
+    write_checkpoint(path, tiny_config(sliding_window=request.param))
+    return MoEModel.from_pretrained(path)
+
+
+def test_incremental_decode_equals_full_forward(model):
+    net = model.engine.model
+    tokens = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    full = model(tokens)
+    caches = net.make_caches(2, 12)
+    with torch.inference_mode():
+        steps = [net(tokens[:, :5], 0, caches)]
+        steps += [net(tokens[:, i:i + 1], i, caches) for i in range(5, 12)]
+    assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-5
+
+
+def test_batch_of_different_lengths_equals_each_alone(model):
+    prompts = [[1, 5, 9, 33], [1, 7, 8, 9, 10, 11, 12, 13, 14], [1, 100]]
+    batched = model.generate(prompts, max_new_tokens=10, temperature=0)
+    alone = [model.generate([p], max_new_tokens=10, temperature=0)[0] for p in prompts]
+    assert batched == alone
+    assert all(len(t) > 0 for t in batched)
+
+
+def test_padded_batch_logits_equal_single_prompt_logits(model):
+    engine = model.engine
+    long, short = [1, 4, 5, 6, 7, 8, 9], [1, 20, 21]
+    from moe.generation import left_pad
+    tokens, pad = left_pad([long, short])
+    engine.start(2, tokens.shape[1])
+    batched = engine.forward_last(tokens, 0, pad)
+    engine.start(1, len(short))
+    alone = engine.forward_last(torch.tensor([short]), 0, torch.zeros(1, dtype=torch.long))
+    assert (batched[1] - alone[0]).abs().max().item() < 1e-5
+
+
+def test_generation_stops_at_eos_and_at_the_token_limit(model):
+    prompt = [1, 5, 9, 33]
+    free = model.generate([prompt], max_new_tokens=8, temperature=0)[0]
+    assert len(free) == 8
+    # Make the third greedy token the EOS id: generation must stop before it.
+    model_eos = model.config.eos_id
+    try:
+        object.__setattr__(model.config, "eos_id", free[2])
+        assert model.generate([prompt], max_new_tokens=8, temperature=0)[0] == free[:free.index(free[2])]
+    finally:
+        object.__setattr__(model.config, "eos_id", model_eos)
+
+
+def test_sampling_is_reproducible_by_seed(model):
+    a = model.generate([[1, 5, 9]], max_new_tokens=12, temperature=1.0, top_p=0.9, top_k=20, seed=7)
+    b = model.generate([[1, 5, 9]], max_new_tokens=12, temperature=1.0, top_p=0.9, top_k=20, seed=7)
+    c = model.generate([[1, 5, 9]], max_new_tokens=12, temperature=1.0, top_p=0.9, top_k=20, seed=8)
+    assert a == b and a != c
