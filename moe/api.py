@@ -13,9 +13,29 @@ import torch
 
 from models.config import ModelConfig
 from moe.build import build_model
-from moe.generation import SamplingParams, check_prompts, generate_tokens
+from moe.checkpoint.formats import detect
+from moe.checkpoint.loader import parse_dtype
+from moe.generation import SamplingParams, check_prompts
+from moe.launcher import WorkerGroup
 from moe.local import LocalEngine
+from moe.placement import Placement
+from moe.remote import RemoteEngine
 from moe.tokenizer import IncrementalDecoder, Tokenizer
+from moe.worker import spec_for
+
+
+def resolve_placement(placement: Placement | str | Path | dict | None, n_layers: int, n_experts: int, gpus: int,
+                      blocks_per_rank: list[int] | None = None) -> Placement:
+    """A validated plan from a Placement, a JSON file, a dict, or the default (optionally per-rank block counts)."""
+    if placement is None:
+        plan = Placement.default(n_layers, n_experts, gpus, blocks_per_rank)
+    elif isinstance(placement, Placement):
+        plan = placement
+    elif isinstance(placement, dict):
+        plan = Placement.from_json(placement)
+    else:
+        plan = Placement.load(placement)
+    return plan.validate(n_layers, n_experts, gpus)
 
 
 class MoEModel:
@@ -24,15 +44,33 @@ class MoEModel:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype | None = None, device: str = "cpu",
-                        gpus: int = 1, progress: Callable[[str], None] | None = None) -> MoEModel:
-        """Load a Hugging Face or Mistral consolidated directory; `gpus` ranks share the model."""
-        if gpus != 1:
-            raise NotImplementedError("gpus > 1 needs the N-rank engine")
-        model, ckpt, stats = build_model(path, dtype, device, progress=progress)
+                        gpus: int = 1, placement: Placement | str | Path | dict | None = None,
+                        blocks_per_rank: list[int] | None = None, master_port: int | None = None,
+                        threads: int | None = None) -> MoEModel:
+        """Load a Hugging Face or Mistral consolidated directory.
+
+        With `gpus=N > 1`, N ranks (one GPU each, or CPU processes over gloo without CUDA) share the model
+        under `placement` (default: contiguous block ranges, experts of every block spread over all ranks);
+        the ranks stop on `close()`, at the end of a `with` block, or at interpreter exit.
+        """
+        ckpt = detect(path)
+        cfg = ckpt.config
         tok_path = Path(path) / "tokenizer.model"
         tokenizer = Tokenizer(tok_path) if tok_path.exists() else None
-        info = {"format": ckpt.fmt, "dtype": str(model.norm.weight.dtype).removeprefix("torch."), **stats}
-        return cls(LocalEngine(model), ckpt.config, tokenizer, info)
+        torch_dtype = parse_dtype(dtype, ckpt.torch_dtype)
+        info = {"format": ckpt.fmt, "dtype": str(torch_dtype).removeprefix("torch.")}
+        if gpus < 1:
+            raise ValueError(f"gpus must be at least 1, got {gpus}")
+        if gpus == 1 and placement is None:
+            model, _, stats = build_model(path, torch_dtype, device)
+            return cls(LocalEngine(model), cfg, tokenizer, info | stats | {"backend": "none", "ranks": 1})
+        plan = resolve_placement(placement, cfg.n_layers, cfg.n_experts, gpus, blocks_per_rank)
+        group = WorkerGroup(gpus, spec_for(path, info["dtype"], plan), master_port, threads)
+        ready = group.ready
+        info |= {"backend": ready[0]["backend"], "ranks": gpus, "placement": plan,
+                 "load_seconds": max(r["load_seconds"] for r in ready),
+                 "bytes_read": [r["bytes_read"] for r in ready], "rank_params": [r["params"] for r in ready]}
+        return cls(RemoteEngine(group, plan), cfg, tokenizer, info)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -74,7 +112,7 @@ class MoEModel:
                     streamer(b, piece)
         elif streamer is not None:
             on_token = streamer
-        result = generate_tokens(self.engine, ids, params, eos, self.config.max_seq_len, on_token)
+        result = self.engine.generate(ids, params, eos, self.config.max_seq_len, on_token)
         self.last_result = result
         return [self.tokenizer.decode(t) for t in result.tokens] if is_text else result.tokens
 

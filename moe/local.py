@@ -6,6 +6,8 @@ import torch
 
 from models.attention import KVCache
 from models.transformer import Transformer
+from moe.generation import GenerationResult, generate_tokens
+from moe.memory import peak_memory_mib
 
 
 class LocalEngine:
@@ -22,6 +24,9 @@ class LocalEngine:
         logits = self.model(tokens_BS.to(device), start, self.caches, pad_B.to(device))
         return logits[:, -1]
 
+    def generate(self, ids, params, eos, context, on_token=None) -> GenerationResult:
+        return generate_tokens(self, ids, params, eos, context, on_token)
+
     def share(self, tokens_B: torch.Tensor) -> torch.Tensor:
         return tokens_B.cpu()
 
@@ -32,6 +37,9 @@ class LocalEngine:
     def load_counts(self) -> torch.Tensor:
         """[layers, 2, E] token copies routed to each expert (prefill, decode)."""
         return torch.stack([b.feed_forward.load_counts.cpu() for b in self.model.layers.values()])
+
+    def peak_memory_mib(self) -> list[float]:
+        return [peak_memory_mib(self.model.norm.weight.device)]
 
     def close(self) -> None:
         self.caches = None

@@ -1,6 +1,7 @@
 """Generate text from a Mixtral/Mistral checkpoint, on one rank or with experts and layers over N ranks.
 
-    python scripts/generate.py --ckpt weights/tiny-random-mixtral --prompt "And God said"
+    python scripts/generate.py --ckpt weights/tiny-random-mixtral --gpus 4 --prompt "And God said"
+    torchrun --nproc-per-node 4 scripts/generate.py --ckpt weights/tiny-random-mixtral --prompt "And God said"
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="weights and activations dtype (default: the checkpoint's, else float32)")
     ap.add_argument("--gpus", type=int, default=1, help="number of ranks (GPUs, or CPU processes without CUDA)")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks)")
+    ap.add_argument("--placement", default=None,
+                    help="placement plan JSON (owner rank of embedding, blocks, head; ranks of every expert)")
+    ap.add_argument("--blocks-per-rank", default=None,
+                    help="comma-separated block counts per rank, e.g. 3,2,2,1 (default: balanced ranges)")
+    ap.add_argument("--master-port", type=int, default=None,
+                    help="port for the ranks to meet on 127.0.0.1 (default: a free one)")
     return ap.parse_args(argv)
 
 

@@ -1,0 +1,119 @@
+"""One rank's share of the model and the engine that runs it in lock-step with the other ranks.
+
+`apply_placement` rewrites a meta-device `Transformer` in place: it drops the modules this rank does
+not own, keeps only its experts of every block, and swaps in the all-to-all dispatcher. Parameter
+names stay global, so the loader reads exactly this rank's tensors. `ShardedEngine` walks the blocks:
+the owner attends and routes, every rank exchanges expert rows, hidden states move owner to owner.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.attention import AttentionContext, KVCache
+from models.moe import GroupedExperts
+from models.transformer import Transformer, add_feed_forward, real_token_rows
+from moe.distributed import DistContext
+from moe.expert_parallel import AllToAllDispatcher, SlotTable
+from moe.placement import Placement
+
+
+def apply_placement(model: Transformer, placement: Placement, rank: int) -> None:
+    cfg = model.cfg
+    if rank != placement.embed_rank:
+        model.tok_embeddings = None
+    if rank != placement.head_rank:
+        model.norm, model.output = None, None
+    for name, block in model.layers.items():
+        i = int(name)
+        if placement.block_ranks[i] != rank:
+            block.attention_norm = block.attention = block.ffn_norm = None
+            block.feed_forward.gate = None
+        ffn = block.feed_forward
+        with torch.device("meta"):
+            ffn.experts = GroupedExperts(cfg.dim, cfg.hidden_dim, placement.local_experts(i, rank))
+        ffn.dispatcher = AllToAllDispatcher(SlotTable(placement.expert_ranks[i], placement.world_size),
+                                            placement.world_size)
+
+
+def held_parameter_names(model: Transformer) -> list[str]:
+    return list(model.state_dict().keys())
+
+
+class ShardedEngine:
+    def __init__(self, model: Transformer, placement: Placement, dist: DistContext, dtype: torch.dtype) -> None:
+        self.model, self.placement, self.dist, self.dtype = model, placement, dist, dtype
+        self.rank = dist.rank
+        for block in model.layers.values():
+            block.feed_forward.dispatcher.table.to(dist.device)
+        self.caches: dict[str, KVCache] = {}
+
+    @property
+    def holds_head(self) -> bool:
+        return self.rank == self.placement.head_rank
+
+    def start(self, batch: int, length: int) -> None:
+        cfg = self.model.cfg
+        self.caches = {str(i): KVCache(batch, cfg.n_kv_heads, length, cfg.head_dim, self.dtype, self.dist.device)
+                       for i in self.placement.blocks_of(self.rank)}
+
+    def _move(self, h: torch.Tensor | None, src: int, dst: int, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """Hand the hidden states from one owner to the next; only those two ranks take part."""
+        if src == dst:
+            return h
+        if self.rank == src:
+            self.dist.send(h, dst)
+            return None
+        if self.rank == dst:
+            return self.dist.recv(shape, self.dtype, src)
+        return None
+
+    @torch.inference_mode()
+    def hidden_to_logits(self, tokens_BS: torch.Tensor, start: int, pad_B: torch.Tensor | None,
+                         caches: dict[str, KVCache] | None, last_only: bool) -> torch.Tensor | None:
+        cfg, p = self.model.cfg, self.placement
+        B, S = tokens_BS.shape
+        shape = (B, S, cfg.dim)
+        device = self.dist.device
+        h = self.model.tok_embeddings(tokens_BS.to(device)) if self.rank == p.embed_rank else None
+        pad = pad_B.to(device) if pad_B is not None else None
+        ctx = AttentionContext.build(cfg, B, S, start, pad, device, self.dtype) if p.blocks_of(self.rank) else None
+        rows = real_token_rows(pad, S, start)
+        holder = p.embed_rank
+        empty_x = torch.empty(0, cfg.dim, dtype=self.dtype, device=device)
+        empty_w = torch.empty(0, cfg.top_k, device=device)
+        empty_ids = torch.empty(0, cfg.top_k, dtype=torch.long, device=device)
+        for name, block in self.model.layers.items():
+            owner = p.block_ranks[int(name)]
+            h = self._move(h, holder, owner, shape)
+            holder = owner
+            ffn = block.feed_forward
+            if self.rank == owner:
+                h = block.attend(h, ctx, caches[name] if caches is not None else None)
+                h = add_feed_forward(h, block.ffn_norm(h), rows, lambda x, f=ffn: f(x, decoding=start > 0))
+            else:  # not the owner: still take part in this block's exchanges, with no rows of our own
+                ffn.dispatcher(empty_x, empty_w, empty_ids, ffn.experts, ffn.n_experts)
+        h = self._move(h, holder, p.head_rank, shape)
+        if not self.holds_head:
+            return None
+        if last_only:
+            h = h[:, -1:]
+        return self.model.output(self.model.norm(h))
+
+    def forward_last(self, tokens_BS: torch.Tensor, start: int, pad_B: torch.Tensor) -> torch.Tensor | None:
+        logits = self.hidden_to_logits(tokens_BS, start, pad_B, self.caches, last_only=True)
+        return logits[:, -1] if logits is not None else None
+
+    def share(self, tokens_B: torch.Tensor) -> torch.Tensor:
+        """The head's rank decided the next tokens; every rank gets them (and so takes the same decisions)."""
+        t = tokens_B.to(self.dist.device)
+        return self.dist.broadcast(t, self.placement.head_rank).cpu()
+
+    def logits(self, tokens_BS: torch.Tensor) -> torch.Tensor | None:
+        return self.hidden_to_logits(tokens_BS, 0, None, None, last_only=False)
+
+    def load_counts(self) -> torch.Tensor:
+        return torch.stack([b.feed_forward.load_counts.cpu() for b in self.model.layers.values()])
+
+    def close(self) -> None:
+        self.caches = {}

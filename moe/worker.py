@@ -1,0 +1,111 @@
+"""A rank's life: join the group, load its share, then serve requests in lock-step with the other ranks.
+
+The parent (`moe.launcher.WorkerGroup`) sends every rank the same request over its pipe; the ranks run
+it together over torch.distributed and reply. Under torchrun, `load_shard` is used directly instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from models.config import ConfigError
+from moe.build import build_model
+from moe.checkpoint.files import CheckpointError
+from moe.checkpoint.formats import detect
+from moe.checkpoint.loader import parse_dtype
+from moe.distributed import DistContext, init_process_group
+from moe.generation import generate_tokens
+from moe.memory import peak_memory_mib
+from moe.placement import Placement, PlacementError
+from moe.sharded import ShardedEngine, apply_placement
+
+USER_ERRORS = (CheckpointError, PlacementError, ConfigError, ValueError)
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    path: str
+    dtype: str | None
+    placement: dict  # Placement.to_json(), already validated by the parent
+
+
+def load_shard(spec: ShardSpec, dist: DistContext) -> tuple[ShardedEngine, dict]:
+    placement = Placement.from_json(spec.placement)
+    torch_dtype = parse_dtype(spec.dtype, detect(spec.path).torch_dtype)
+    model, _, stats = build_model(spec.path, torch_dtype, dist.device,
+                                  prune=lambda m: apply_placement(m, placement, dist.rank))
+    return ShardedEngine(model, placement, dist, torch_dtype), stats
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the parent dies, so no rank outlives the process that started it."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def worker_main(rank: int, world_size: int, port: int, threads: int, conn, spec: ShardSpec) -> None:
+    _die_with_parent()
+    torch.set_num_threads(threads)
+    try:
+        dist = init_process_group(rank, world_size, "127.0.0.1", port)
+        engine, stats = load_shard(spec, dist)
+        conn.send(("ok", {"rank": rank, "params": sorted(engine.model.state_dict()), **stats,
+                          "device": str(dist.device), "backend": dist.backend}))
+        serve(engine, conn)
+    except BaseException as e:  # report, then exit: the parent stops the other ranks
+        kind = "user" if isinstance(e, USER_ERRORS) else "fault"
+        detail = "" if kind == "user" else traceback.format_exc(limit=-3)
+        try:
+            conn.send(("error", kind, type(e).__name__, str(e).splitlines()[0] if str(e) else "", detail))
+        except OSError:
+            pass
+        sys.stderr.flush()
+        os._exit(1)
+    os._exit(0)
+
+
+def serve(engine: ShardedEngine, conn) -> None:
+    rank = engine.rank
+    while True:
+        op, *args = conn.recv()
+        if op == "close":
+            conn.send(("ok", None))
+            return
+        if op == "generate":
+            ids, params, eos, context = args
+            on_token = (lambda b, t: conn.send(("token", b, t))) if rank == 0 else None
+            result = generate_tokens(engine, ids, params, eos, context, on_token)
+            conn.send(("ok", result if rank == 0 else None))
+        elif op == "logits":
+            logits = engine.logits(args[0])
+            conn.send(("ok", logits.cpu() if logits is not None else None))
+        elif op == "memory":
+            conn.send(("ok", peak_memory_mib(engine.dist.device)))
+        elif op == "load_counts":
+            conn.send(("ok", engine.load_counts()))
+        elif op == "set_round_robin":
+            for block in engine.model.layers.values():
+                if block.feed_forward.gate is not None:
+                    block.feed_forward.gate.round_robin = bool(args[0])
+            conn.send(("ok", None))
+        elif op == "fail":  # fault injection for tests: this rank raises, the others wait in a collective
+            if rank == args[0]:
+                raise RuntimeError(f"injected failure on rank {rank}")
+            torch.distributed.barrier()
+            conn.send(("ok", None))
+        else:
+            raise ValueError(f"unknown request {op!r}")
+
+
+def spec_for(path: str | Path, dtype: str | None, placement: Placement) -> ShardSpec:
+    return ShardSpec(str(path), dtype, placement.to_json())
