@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from models.attention import Attention, AttentionContext, KVCache, RMSNorm
+from models.basic import Embedding, Linear
 from models.config import ModelConfig
 from models.moe import MoEFeedForward
 
@@ -47,10 +48,10 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tok_embeddings = Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = Linear(cfg.dim, cfg.vocab_size)
 
     def make_caches(self, batch: int, length: int) -> dict[str, KVCache]:
         p = self.tok_embeddings.weight if self.tok_embeddings is not None else next(self.parameters())

@@ -58,8 +58,10 @@ def worker_main(rank: int, world_size: int, port: int, threads: int, conn, spec:
     torch.set_num_threads(threads)
     try:
         dist = init_process_group(rank, world_size, "127.0.0.1", port)
+        baseline = peak_memory_mib(dist.device)  # the process before any weight is read
         engine, stats = load_shard(spec, dist)
         conn.send(("ok", {"rank": rank, "params": sorted(engine.model.state_dict()), **stats,
+                          "baseline_mib": baseline, "loaded_peak_mib": peak_memory_mib(dist.device),
                           "device": str(dist.device), "backend": dist.backend}))
         serve(engine, conn)
     except BaseException as e:  # report, then exit: the parent stops the other ranks

@@ -25,8 +25,10 @@ class CheckpointError(ValueError):
 @dataclass(frozen=True)
 class TensorInfo:
     file: Path
-    dtype: str
+    dtype: str  # safetensors code: F32, BF16, F16, ...
     shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the data in the file
+    nbytes: int
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
@@ -48,8 +50,9 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     header.pop("__metadata__", None)
     infos, data_end = {}, 0
     for name, entry in header.items():
-        infos[name] = TensorInfo(path, entry["dtype"], tuple(entry["shape"]))
-        data_end = max(data_end, entry["data_offsets"][1])
+        begin, end = entry["data_offsets"]
+        infos[name] = TensorInfo(path, entry["dtype"], tuple(entry["shape"]), 8 + header_len + begin, end - begin)
+        data_end = max(data_end, end)
     if 8 + header_len + data_end > size:
         raise CheckpointError(f"{path}: file is truncated ({size} bytes, its header needs {8 + header_len + data_end})")
     return infos

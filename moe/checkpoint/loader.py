@@ -13,7 +13,6 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from moe.checkpoint.files import CheckpointError, TensorInfo, index_tensors
@@ -61,23 +60,52 @@ def check_names_and_shapes(ckpt: CheckpointFormat, full_shapes: dict[str, torch.
                                       f"the config implies {list(want)}")
 
 
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
+
+
 class TensorReader:
-    """Lazily opened safetensors files; reads one named tensor at a time."""
+    """Reads named tensors straight from the files into preallocated tensors.
+
+    Plain positioned reads rather than a memory map: the bytes land once, in the destination, and the
+    file's pages are not counted in this rank's resident memory. Files are opened on first use.
+    """
 
     def __init__(self, tensors: dict[str, TensorInfo], stack: ExitStack) -> None:
         self.tensors, self.stack, self.handles = tensors, stack, {}
         self.bytes_read = 0
 
-    def read(self, name: str) -> torch.Tensor:
-        path = self.tensors[name].file
+    def info(self, name: str) -> TensorInfo:
+        return self.tensors[name]
+
+    def empty(self, name: str, leading: tuple[int, ...] = ()) -> torch.Tensor:
+        info = self.tensors[name]
+        if info.dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{info.file.name}: tensor {name} has unsupported dtype {info.dtype}")
+        return torch.empty((*leading, *info.shape), dtype=SAFETENSORS_DTYPES[info.dtype])
+
+    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        info = self.tensors[name]
+        buf = out.view(-1).view(torch.uint8).numpy()
+        if buf.nbytes != info.nbytes:
+            raise CheckpointError(f"{info.file.name}: tensor {name} holds {info.nbytes} bytes, "
+                                  f"its dtype and shape need {buf.nbytes}")
         try:
-            if path not in self.handles:
-                self.handles[path] = self.stack.enter_context(safe_open(str(path), framework="pt"))
-            t = self.handles[path].get_tensor(name)
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{path.name}: cannot read tensor {name} ({e})") from None
-        self.bytes_read += t.numel() * t.element_size()
-        return t
+            if info.file not in self.handles:
+                self.handles[info.file] = self.stack.enter_context(open(info.file, "rb", buffering=0))
+            f = self.handles[info.file]
+            f.seek(info.offset)
+            got = f.readinto(buf)
+        except OSError as e:
+            raise CheckpointError(f"{info.file.name}: cannot read tensor {name} ({e.strerror})") from None
+        if got != info.nbytes:
+            raise CheckpointError(f"{info.file.name}: file is truncated inside tensor {name}")
+        self.bytes_read += got
+        return out
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.read_into(name, self.empty(name))
 
 
 def load_into(model: nn.Module, ckpt: CheckpointFormat, directory: str | Path, full_shapes: dict[str, torch.Size],
@@ -93,9 +121,14 @@ def load_into(model: nn.Module, ckpt: CheckpointFormat, directory: str | Path, f
         reader = TensorReader(tensors, stack)
         for name, param in model.state_dict(keep_vars=True).items():
             if is_stacked_expert(name):
-                owner = model.get_submodule(name.rsplit(".", 1)[0])
-                parts = [reader.read(external_name(ckpt.fmt, cfg, name, e)) for e in owner.expert_ids]
-                t = torch.stack(parts) if parts else torch.empty(param.shape)
+                ids = model.get_submodule(name.rsplit(".", 1)[0]).expert_ids
+                if not ids:
+                    state[name] = torch.empty(param.shape, dtype=dtype, device=device)
+                    continue
+                sources = [external_name(ckpt.fmt, cfg, name, e) for e in ids]
+                t = reader.empty(sources[0], leading=(len(ids),))  # one buffer, each expert read into its row
+                for row, source in enumerate(sources):
+                    reader.read_into(source, t[row])
             else:
                 source = external_name(ckpt.fmt, cfg, name)
                 if source in by_source:  # tied embeddings: one tensor, two parameters

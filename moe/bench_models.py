@@ -1,0 +1,28 @@
+"""Named model sizes for benchmarks, and random checkpoints of those sizes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from models.config import ModelConfig
+from models.transformer import Transformer
+from moe.checkpoint.writer import save_checkpoint
+
+SIZES = {
+    "small": ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=2, head_dim=64, hidden_dim=1792,
+                         vocab_size=8000, n_experts=8, top_k=2, max_seq_len=4096),
+    "medium": ModelConfig(dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, head_dim=64, hidden_dim=3584,
+                          vocab_size=32000, n_experts=8, top_k=2, max_seq_len=4096),
+}
+
+
+def write_sized_checkpoint(path: Path, size: str, seed: int = 0, max_shard_bytes: int | None = None) -> Path:
+    cfg = SIZES[size]
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn_like(p) * 0.02)
+    return save_checkpoint(model.state_dict(), cfg, path, max_shard_bytes=max_shard_bytes)
