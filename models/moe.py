@@ -30,6 +30,8 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(n_experts, dim)) if n_experts > 1 else None
         # Debug mode: copy j of token t goes to expert (t*K + j) % E, weight 1/K; exact loads for tests.
         self.round_robin = False
+        # Sum over routed tokens of the entropy of the full router distribution (for load reports).
+        self.register_buffer("entropy_sum", torch.zeros((), dtype=torch.float64), persistent=False)
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         T = x_TD.shape[0]
@@ -37,8 +39,10 @@ class Router(nn.Module):
             ids_TK = torch.arange(T * self.top_k, device=x_TD.device).view(T, self.top_k) % self.n_experts
             weights_TK = torch.full((T, self.top_k), 1.0 / self.top_k, device=x_TD.device)
             return weights_TK, ids_TK
-        logits_TE = F.linear(x_TD, self.weight)
-        top_logits_TK, ids_TK = torch.topk(logits_TE.float(), self.top_k, dim=-1)
+        logits_TE = F.linear(x_TD, self.weight).float()
+        logp_TE = torch.log_softmax(logits_TE, dim=-1)
+        self.entropy_sum -= (logp_TE.exp() * logp_TE).sum().double()
+        top_logits_TK, ids_TK = torch.topk(logits_TE, self.top_k, dim=-1)
         return torch.softmax(top_logits_TK, dim=-1), ids_TK
 
 

@@ -17,6 +17,7 @@ from moe.checkpoint.formats import detect
 from moe.checkpoint.loader import parse_dtype
 from moe.generation import SamplingParams, check_prompts
 from moe.launcher import WorkerGroup
+from moe.load_report import ExpertLoadReport
 from moe.local import LocalEngine
 from moe.placement import Placement
 from moe.remote import RemoteEngine
@@ -115,6 +116,20 @@ class MoEModel:
         result = self.engine.generate(ids, params, eos, self.config.max_seq_len, on_token)
         self.last_result = result
         return [self.tokenizer.decode(t) for t in result.tokens] if is_text else result.tokens
+
+    def expert_load(self) -> ExpertLoadReport:
+        """Which experts and ranks received how many token copies since loading (or the last reset)."""
+        counts, entropy, received = self.engine.load_stats()
+        placement = self.info.get("placement") or Placement.default(self.config.n_layers, self.config.n_experts, 1)
+        tokens = int(counts.sum()) // (self.config.top_k * self.config.n_layers)
+        return ExpertLoadReport(counts, placement, float(entropy), tokens, received)
+
+    def reset_expert_load(self) -> None:
+        self.engine.reset_load_stats()
+
+    def set_debug_routing(self, round_robin: bool) -> None:
+        """Round-robin routing (copy j of token t to expert (t*K+j) % E): exact, predictable loads for tests."""
+        self.engine.set_round_robin(round_robin)
 
     def close(self) -> None:
         self.engine.close()

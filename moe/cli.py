@@ -48,15 +48,20 @@ def parse_blocks_per_rank(text: str | None) -> list[int] | None:
         raise ValueError(f"--blocks-per-rank {text!r} must be comma-separated integers, e.g. 3,2,2,1") from None
 
 
-def generate_main(args: argparse.Namespace) -> int:
+def run_command(command, args: argparse.Namespace) -> int:
+    """Run a command; a user error is one line and exit 2, a failed rank one line and exit 1."""
     try:
-        return _generate(args)
+        return command(args)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RankFailure as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+
+
+def generate_main(args: argparse.Namespace) -> int:
+    return run_command(_generate, args)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -97,6 +102,10 @@ def _generate(args: argparse.Namespace) -> int:
             for i, (p, o) in enumerate(zip(prompts, outputs, strict=True)):
                 print(f"[{i}] {p}{o}")
         print(summary(load_s, model.last_result, len(prompts), model.engine.peak_memory_mib()))
+        if args.expert_load:
+            from moe.cli_load import report_out
+
+            report_out(model.expert_load(), args.expert_load)
     return 0
 
 

@@ -30,13 +30,15 @@ class SlotTable:
                 table[e, j] = r * self.slots_per_rank + local[r].index(e)
         self.slot_of = table  # [E, max replicas]
         self.replicated = bool((self.n_replicas > 1).any())
+        self.seen = torch.zeros(len(expert_ranks), dtype=torch.long)  # copies routed so far, per expert
 
     def to(self, device: torch.device) -> SlotTable:
-        self.n_replicas, self.slot_of = self.n_replicas.to(device), self.slot_of.to(device)
+        self.n_replicas, self.slot_of, self.seen = (t.to(device) for t in (self.n_replicas, self.slot_of, self.seen))
         return self
 
     def slots(self, ids_N: torch.Tensor) -> torch.Tensor:
-        """Slot of each copy; a replicated expert's copies go round-robin over its replicas (even split)."""
+        """Slot of each copy. A replicated expert's copies go round-robin over its replicas, continuing
+        from where the previous call stopped, so over a run its load splits evenly (within one copy)."""
         if not self.replicated:
             return self.slot_of[ids_N, 0]
         order = torch.sort(ids_N, stable=True).indices
@@ -44,7 +46,8 @@ class SlotTable:
         counts = torch.bincount(ids_N, minlength=self.slot_of.shape[0])
         starts = torch.cumsum(counts, 0) - counts
         ordinal = torch.empty_like(ids_N)
-        ordinal[order] = torch.arange(ids_N.numel(), device=ids_N.device) - starts[sorted_ids]
+        ordinal[order] = torch.arange(ids_N.numel(), device=ids_N.device) - starts[sorted_ids] + self.seen[sorted_ids]
+        self.seen += counts
         return self.slot_of[ids_N, ordinal % self.n_replicas[ids_N]]
 
 
@@ -72,6 +75,7 @@ class AllToAllDispatcher:
     def __init__(self, table: SlotTable, world_size: int) -> None:
         self.table, self.world_size = table, world_size
         self.last_split_sizes: tuple[list[int], list[int]] = ([], [])  # (sent, received) rows, for inspection
+        self.received_rows = 0  # token copies this rank's experts computed, for measured load reports
 
     def __call__(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
                  experts: GroupedExperts, n_experts: int) -> torch.Tensor:
@@ -88,6 +92,7 @@ class AllToAllDispatcher:
         sizes = torch.stack([send_RM.sum(1), recv_RM.sum(1)]).tolist()
         in_splits, out_splits = sizes
         self.last_split_sizes = (in_splits, out_splits)
+        self.received_rows += sum(out_splits)
         rows = exchange(x_TD[grouping.token_N], out_splits, in_splits)  # [received, D], by (source, slot)
         perm = chunk_order(recv_RM)
         y = experts(rows[perm], recv_RM.sum(0)[: len(experts.expert_ids)])  # grouped by local expert

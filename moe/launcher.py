@@ -25,7 +25,11 @@ _USER_ERROR_TYPES = {c.__name__: c for c in (CheckpointError, PlacementError, Co
 
 
 class RankFailure(RuntimeError):
-    """A rank died or raised; the message names the rank and the cause."""
+    """A rank died or raised; the message names the rank and the cause, `detail` holds its traceback."""
+
+    def __init__(self, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail
 
 
 def cpu_threads_per_rank(world_size: int) -> int:
@@ -92,7 +96,7 @@ class WorkerGroup:
                     if kind == "user" and name in _USER_ERROR_TYPES:
                         self.close(force=True)
                         raise _USER_ERROR_TYPES[name](f"rank {rank}: {text}")
-                    self._fail(rank, f"raised {name}: {text}" + (f"\n{detail}" if detail else ""))
+                    self._fail(*self._root_cause(rank, f"raised {name}: {text}"), detail)
         return [replies[r] for r in range(len(self.procs))]
 
     def _exit_cause(self, rank: int) -> str:
@@ -103,9 +107,18 @@ class WorkerGroup:
             return f"died (killed by signal {-code}, {signal.Signals(-code).name})"
         return f"exited unexpectedly (exit code {code})"
 
-    def _fail(self, rank: int, cause: str) -> None:
+    def _root_cause(self, rank: int, cause: str) -> tuple[int, str]:
+        """A rank whose peer was killed raises a transport error; blame the killed peer when there is one."""
+        others = [p for r, p in enumerate(self.procs) if r != rank]
+        wait([p.sentinel for p in others], timeout=1.0)
+        for r, p in enumerate(self.procs):
+            if r != rank and p.exitcode is not None and p.exitcode < 0:
+                return r, self._exit_cause(r)
+        return rank, cause
+
+    def _fail(self, rank: int, cause: str, detail: str = "") -> None:
         self.close(force=True)
-        raise RankFailure(f"rank {rank} {cause}; stopped all {len(self.procs)} ranks")
+        raise RankFailure(f"rank {rank} {cause}; stopped all {len(self.procs)} ranks", detail)
 
     def close(self, force: bool = False) -> None:
         """Stop every rank: politely when healthy, by signal otherwise. Safe to call twice."""

@@ -7,6 +7,7 @@ import torch
 from models.attention import KVCache
 from models.transformer import Transformer
 from moe.generation import GenerationResult, generate_tokens
+from moe.load_stats import local_load_stats, reset_load_stats, set_round_robin
 from moe.memory import peak_memory_mib
 
 
@@ -34,9 +35,15 @@ class LocalEngine:
     def logits(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         return self.model(tokens_BS.to(self.model.tok_embeddings.weight.device))
 
-    def load_counts(self) -> torch.Tensor:
-        """[layers, 2, E] token copies routed to each expert (prefill, decode)."""
-        return torch.stack([b.feed_forward.load_counts.cpu() for b in self.model.layers.values()])
+    def load_stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        counts, entropy = local_load_stats(self.model)
+        return counts, entropy, counts.sum(dim=(1, 2))[:, None]  # one rank computes every copy
+
+    def reset_load_stats(self) -> None:
+        reset_load_stats(self.model)
+
+    def set_round_robin(self, enabled: bool) -> None:
+        set_round_robin(self.model, enabled)
 
     def peak_memory_mib(self) -> list[float]:
         return [peak_memory_mib(self.model.norm.weight.device)]

@@ -20,9 +20,15 @@ class RemoteEngine:
     def logits(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         return self.group.call("logits", tokens_BS)[self.placement.head_rank]
 
-    def load_counts(self) -> torch.Tensor:
-        """Routing happens at each block's owner; the sum over ranks is the whole picture."""
-        return torch.stack(self.group.call("load_counts")).sum(0)
+    def load_stats_per_rank(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Every rank's copy of the gathered counters (they agree: each rank all-reduced them)."""
+        return self.group.call("load_stats")
+
+    def load_stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.load_stats_per_rank()[0]
+
+    def reset_load_stats(self) -> None:
+        self.group.call("reset_load_stats")
 
     def peak_memory_mib(self) -> list[float]:
         return self.group.call("memory")

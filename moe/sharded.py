@@ -15,6 +15,7 @@ from models.moe import GroupedExperts
 from models.transformer import Transformer, add_feed_forward, real_token_rows
 from moe.distributed import DistContext
 from moe.expert_parallel import AllToAllDispatcher, SlotTable
+from moe.load_stats import local_load_stats, reset_load_stats
 from moe.placement import Placement
 
 
@@ -112,8 +113,25 @@ class ShardedEngine:
     def logits(self, tokens_BS: torch.Tensor) -> torch.Tensor | None:
         return self.hidden_to_logits(tokens_BS, 0, None, None, last_only=False)
 
-    def load_counts(self) -> torch.Tensor:
-        return torch.stack([b.feed_forward.load_counts.cpu() for b in self.model.layers.values()])
+    def load_stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Routing counters summed over all ranks, and the rows each rank's experts computed per block
+        ([blocks, ranks]); one all-reduce, only when a report is asked for, so every rank gets the same."""
+        counts, entropy = local_load_stats(self.model)
+        received = torch.zeros(len(self.model.layers), self.dist.world_size, dtype=torch.float64)
+        for i, block in enumerate(self.model.layers.values()):
+            received[i, self.rank] = block.feed_forward.dispatcher.received_rows
+        packed = torch.cat([counts.double().reshape(-1), received.reshape(-1), entropy.reshape(1)])
+        packed = packed.to(self.dist.device)
+        torch.distributed.all_reduce(packed)
+        packed = packed.cpu()
+        n = counts.numel()
+        return (packed[:n].round().long().view(counts.shape), packed[-1],
+                packed[n:-1].round().long().view(received.shape))
+
+    def reset_load_stats(self) -> None:
+        reset_load_stats(self.model)
+        for block in self.model.layers.values():
+            block.feed_forward.dispatcher.received_rows = 0
 
     def close(self) -> None:
         self.caches = {}

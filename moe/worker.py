@@ -23,6 +23,7 @@ from moe.checkpoint.formats import detect
 from moe.checkpoint.loader import parse_dtype
 from moe.distributed import DistContext, init_process_group
 from moe.generation import generate_tokens
+from moe.load_stats import set_round_robin
 from moe.memory import peak_memory_mib
 from moe.placement import Placement, PlacementError
 from moe.sharded import ShardedEngine, apply_placement
@@ -93,12 +94,13 @@ def serve(engine: ShardedEngine, conn) -> None:
             conn.send(("ok", logits.cpu() if logits is not None else None))
         elif op == "memory":
             conn.send(("ok", peak_memory_mib(engine.dist.device)))
-        elif op == "load_counts":
-            conn.send(("ok", engine.load_counts()))
+        elif op == "load_stats":
+            conn.send(("ok", engine.load_stats()))
+        elif op == "reset_load_stats":
+            engine.reset_load_stats()
+            conn.send(("ok", None))
         elif op == "set_round_robin":
-            for block in engine.model.layers.values():
-                if block.feed_forward.gate is not None:
-                    block.feed_forward.gate.round_robin = bool(args[0])
+            set_round_robin(engine.model, bool(args[0]))
             conn.send(("ok", None))
         elif op == "fail":  # fault injection for tests: this rank raises, the others wait in a collective
             if rank == args[0]:

@@ -118,3 +118,18 @@ def test_cli_exits_non_zero_naming_the_killed_rank():
     assert proc.returncode == 1
     assert "error: rank" in err and "killed by signal 9" in err and "Traceback" not in err
     assert not any(alive(p) for p in ranks)
+
+
+def test_torchrun_joins_the_given_group_and_prints_the_one_rank_text():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--standalone", str(ROOT / "scripts" / "generate.py"), "--ckpt", str(SHIPPED),
+                           "--prompt", "And God said", "--max-new-tokens", "12"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    one = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), "--ckpt", str(SHIPPED),
+                          "--prompt", "And God said", "--max-new-tokens", "12"], capture_output=True, text=True,
+                         timeout=300)
+    text = [line for line in proc.stdout.splitlines() if line.startswith("And God said")]
+    assert len(text) == 1 and text == [line for line in one.stdout.splitlines() if line.startswith("And God said")]
+    assert "peak RSS per rank" in proc.stdout

@@ -64,12 +64,17 @@ def test_consolidated_layout_matches_transformers(kind, tmp_path):
     compare(hf, tmp_path / "consolidated", tmp_path)
 
 
-def test_bf16_logits_close_to_transformers_bf16(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_logits_close_to_transformers(dtype, tmp_path):
     hf = hf_model("mixtral")
     hf.save_pretrained(tmp_path / "hf")
-    model = MoEModel.from_pretrained(tmp_path / "hf", dtype="bfloat16")
+    model = MoEModel.from_pretrained(tmp_path / "hf", dtype=str(dtype).removeprefix("torch."))
+    assert model.info["dtype"] == str(dtype).removeprefix("torch.")
     ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        want = hf.to(torch.bfloat16)(ids).logits.float()
-    got = model(ids).float()
-    assert got.dtype == torch.float32 and (got - want).abs().max().item() < 0.1
+        want = hf.to(dtype)(ids).logits.float()
+        reference32 = hf.float()(ids).logits
+    got = model(ids)
+    assert got.dtype == dtype
+    # As close to transformers at this precision as transformers is to itself in fp32.
+    assert (got.float() - want).abs().max().item() <= 2 * (want - reference32).abs().max().item() + 1e-3

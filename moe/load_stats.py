@@ -1,0 +1,27 @@
+"""Read and reset the routing counters of the MoE layers this process holds."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def local_load_stats(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """([blocks, 2, experts] copies routed by the blocks held here, router entropy sum) on the CPU."""
+    counts = torch.stack([b.feed_forward.load_counts.cpu() for b in model.layers.values()])
+    entropy = sum((b.feed_forward.gate.entropy_sum.cpu() for b in model.layers.values()
+                   if b.feed_forward.gate is not None), torch.zeros((), dtype=torch.float64))
+    return counts, entropy
+
+
+def reset_load_stats(model: nn.Module) -> None:
+    for block in model.layers.values():
+        block.feed_forward.load_counts.zero_()
+        if block.feed_forward.gate is not None:
+            block.feed_forward.gate.entropy_sum.zero_()
+
+
+def set_round_robin(model: nn.Module, enabled: bool) -> None:
+    for block in model.layers.values():
+        if block.feed_forward.gate is not None:
+            block.feed_forward.gate.round_robin = enabled
