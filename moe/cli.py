@@ -141,7 +141,8 @@ def _generate_torchrun(args: argparse.Namespace, prompts: list[str], seed: int, 
     tokenizer = Tokenizer(Path(args.ckpt) / "tokenizer.model")
     ids = [tokenizer.encode(p) for p in prompts]
     check_prompts(ids, cfg.vocab_size, cfg.max_seq_len)
-    print_settings(args, seed, str(engine.dtype).removeprefix("torch."), len(prompts)) if dist.rank == 0 else None
+    if dist.rank == 0:
+        print_settings(args, seed, str(engine.dtype).removeprefix("torch."), len(prompts))
     params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.top_k, seed)
     decoder = IncrementalDecoder(tokenizer)
     say(prompts[0], end="", flush=True)

@@ -37,10 +37,6 @@ def apply_placement(model: Transformer, placement: Placement, rank: int) -> None
                                             placement.world_size)
 
 
-def held_parameter_names(model: Transformer) -> list[str]:
-    return list(model.state_dict().keys())
-
-
 class ShardedEngine:
     def __init__(self, model: Transformer, placement: Placement, dist: DistContext, dtype: torch.dtype) -> None:
         self.model, self.placement, self.dist, self.dtype = model, placement, dist, dtype

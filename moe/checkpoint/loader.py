@@ -139,7 +139,7 @@ def load_into(model: nn.Module, ckpt: CheckpointFormat, directory: str | Path, f
                 if kind is not None:
                     t = to_half_split(t, cfg.n_heads if kind == "wq" else cfg.n_kv_heads)
                 t = by_source[source] = t.to(device=device, dtype=dtype)
-            state[name] = t.to(device=device, dtype=dtype)
+            state[name] = t.to(device=device, dtype=dtype)  # no copy when already there
         if progress:
             progress(f"read {reader.bytes_read / 2**20:.1f} MiB from {len(reader.handles)} file(s)")
     model.load_state_dict(state, strict=True, assign=True)
