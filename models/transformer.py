@@ -59,14 +59,19 @@ class Transformer(nn.Module):
                 for name in self.layers}
 
     def forward(self, tokens_BS: torch.Tensor, start: int = 0, caches: dict[str, KVCache] | None = None,
-                pad_B: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, S, V] for tokens at cache slots start..start+S; `pad_B` counts each row's left padding."""
+                pad_B: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+        """Logits [B, S, V] for tokens at cache slots start..start+S; `pad_B` counts each row's left padding.
+
+        `last_only` projects only the last position ([B, 1, V]): generation needs nothing else from a prefill.
+        """
         B, S = tokens_BS.shape
         h = self.tok_embeddings(tokens_BS)
         ctx = AttentionContext.build(self.cfg, B, S, start, pad_B, h.device, h.dtype)
         rows = real_token_rows(pad_B, S, start)
         for name, block in self.layers.items():
             h = block(h, ctx, caches[name] if caches is not None else None, rows)
+        if last_only:
+            h = h[:, -1:]
         return self.output(self.norm(h))
 
 
