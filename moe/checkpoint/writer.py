@@ -85,7 +85,8 @@ def save_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: s
             (tmp / "params.json").write_text(json.dumps(cfg.to_mistral(), indent=2) + "\n")
         else:
             write_hf_shards(tensors, tmp, max_shard_bytes)
-            (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
+            dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.") if tensors else "float32"
+            (tmp / "config.json").write_text(json.dumps(cfg.to_hf() | {"dtype": dtype}, indent=2) + "\n")
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / "tokenizer.model")
         if out_dir.exists():

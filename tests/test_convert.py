@@ -1,0 +1,75 @@
+"""Layout and dtype conversion round trips."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe import MoEModel
+from moe.checkpoint.convert import convert_checkpoint, parse_size
+from tests.checkpoints import ROOT, tiny_config, write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("conv") / "hf", tiny_config(n_heads=8, n_kv_heads=2, head_dim=8))
+
+
+def logits(path, **kw):
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    return MoEModel.from_pretrained(path, **kw)(ids)
+
+
+def test_hf_to_consolidated_to_hf_is_exact(source, tmp_path):
+    convert_checkpoint(source, tmp_path / "mistral", "mistral")
+    assert (tmp_path / "mistral" / "consolidated.safetensors").exists()
+    convert_checkpoint(tmp_path / "mistral", tmp_path / "back", "hf", max_shard_bytes=50_000)
+    assert len(list((tmp_path / "back").glob("model-*.safetensors"))) > 1
+    want = logits(source)
+    assert torch.equal(logits(tmp_path / "mistral"), want) and torch.equal(logits(tmp_path / "back"), want)
+
+
+def test_bf16_conversion_within_bf16_tolerance(source, tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert.py"), "--ckpt", str(source), "--out",
+                           str(tmp_path / "bf16"), "--dtype", "bfloat16"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    model = MoEModel.from_pretrained(tmp_path / "bf16")
+    assert model.info["dtype"] == "bfloat16"  # the saved config records it
+    full = logits(source)
+    half = logits(tmp_path / "bf16", dtype="float32").float()  # bf16-rounded weights, fp32 compute
+    assert (half - full).abs().max().item() < 0.05 * full.abs().max().item()
+
+
+def test_parse_size():
+    assert parse_size("200MB") == 200_000_000 and parse_size("1.5GiB") == int(1.5 * 2**30)
+    with pytest.raises(ValueError, match="not like"):
+        parse_size("lots")
+
+
+def test_convert_refuses_a_non_empty_output(source, tmp_path):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("x")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert.py"), "--ckpt", str(source), "--out",
+                           str(tmp_path / "taken")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "not empty" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_interrupted_save_leaves_no_checkpoint(source, tmp_path, monkeypatch):
+    import moe.checkpoint.writer as writer
+
+    real, calls = writer.save_file, []
+
+    def fail_on_second_shard(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError("disk full (simulated)")
+        real(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(writer, "save_file", fail_on_second_shard)
+    with pytest.raises(OSError, match="simulated"):
+        convert_checkpoint(source, tmp_path / "out", "hf", max_shard_bytes=50_000)
+    assert not (tmp_path / "out").exists()
+    assert list(tmp_path.iterdir()) == []  # the temporary directory is gone too
