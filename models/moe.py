@@ -80,11 +80,11 @@ class Grouping:
     counts_E: torch.Tensor  # copies per expert (global ids)
 
 
-def group_by_expert(ids_TK: torch.Tensor, n_experts: int) -> Grouping:
+def group_by_expert(ids_TK: torch.Tensor, n_experts: int, counts_E: torch.Tensor | None = None) -> Grouping:
     flat_ids = ids_TK.reshape(-1)
     # Stable sort keeps copies of one expert in token order, so results are deterministic.
     order = torch.sort(flat_ids, stable=True).indices
-    counts = torch.bincount(flat_ids, minlength=n_experts)
+    counts = counts_E if counts_E is not None else torch.bincount(flat_ids, minlength=n_experts)
     return Grouping(order_N=order, token_N=order // ids_TK.shape[1], counts_E=counts)
 
 
@@ -100,8 +100,8 @@ class LocalDispatcher:
     """All experts are on this device: group, run, combine."""
 
     def __call__(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
-                 experts: GroupedExperts, n_experts: int) -> torch.Tensor:
-        grouping = group_by_expert(ids_TK, n_experts)
+                 experts: GroupedExperts, n_experts: int, counts_E: torch.Tensor | None = None) -> torch.Tensor:
+        grouping = group_by_expert(ids_TK, n_experts, counts_E)
         y_ND = experts(x_TD[grouping.token_N], grouping.counts_E)
         return combine(y_ND, weights_TK, grouping, x_TD.shape[0])
 
@@ -118,5 +118,6 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, decoding: bool = False) -> torch.Tensor:
         weights_TK, ids_TK = self.gate(x_TD)
-        self.load_counts[int(decoding)] += torch.bincount(ids_TK.reshape(-1), minlength=self.n_experts)
-        return self.dispatcher(x_TD, weights_TK, ids_TK, self.experts, self.n_experts)
+        counts_E = torch.bincount(ids_TK.reshape(-1), minlength=self.n_experts)
+        self.load_counts[int(decoding)] += counts_E  # on device: no host sync for counting
+        return self.dispatcher(x_TD, weights_TK, ids_TK, self.experts, self.n_experts, counts_E)

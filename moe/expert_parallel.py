@@ -78,7 +78,8 @@ class AllToAllDispatcher:
         self.received_rows = 0  # token copies this rank's experts computed, for measured load reports
 
     def __call__(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
-                 experts: GroupedExperts, n_experts: int) -> torch.Tensor:
+                 experts: GroupedExperts, n_experts: int, counts_E: torch.Tensor | None = None) -> torch.Tensor:
+        """`counts_E` (copies per expert) is unused here: the exchange needs copies per slot."""
         R, M = self.world_size, self.table.slots_per_rank
         slot_N = self.table.slots(ids_TK.reshape(-1))
         order = torch.sort(slot_N, stable=True).indices
