@@ -67,7 +67,7 @@ class Transformer(nn.Module):
         B, S = tokens_BS.shape
         h = self.tok_embeddings(tokens_BS)
         ctx = AttentionContext.build(self.cfg, B, S, start, pad_B, h.device, h.dtype)
-        rows = real_token_rows(pad_B, S, start)
+        rows = real_token_rows(pad_B, S, start, h.device)
         for name, block in self.layers.items():
             h = block(h, ctx, caches[name] if caches is not None else None, rows)
         if last_only:
@@ -75,9 +75,14 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
 
-def real_token_rows(pad_B: torch.Tensor | None, seq: int, start: int) -> torch.Tensor | None:
-    """Flat indices of non-padding tokens, or None when every token is real."""
+def real_token_rows(pad_B: torch.Tensor | None, seq: int, start: int,
+                    device: torch.device) -> torch.Tensor | None:
+    """Flat indices (on `device`) of non-padding tokens, or None when every token is real.
+
+    Reads the padding on the CPU, so a decode step on a GPU costs no host sync here.
+    """
+    pad_B = pad_B.cpu() if pad_B is not None else None
     if pad_B is None or start >= int(pad_B.max()):
         return None
-    slots = torch.arange(start, start + seq, device=pad_B.device)
-    return (slots[None, :] >= pad_B[:, None]).reshape(-1).nonzero().squeeze(1)
+    slots = torch.arange(start, start + seq)
+    return (slots[None, :] >= pad_B[:, None]).reshape(-1).nonzero().squeeze(1).to(device)

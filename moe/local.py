@@ -22,7 +22,7 @@ class LocalEngine:
     @torch.inference_mode()
     def forward_last(self, tokens_BS: torch.Tensor, start: int, pad_B: torch.Tensor) -> torch.Tensor:
         device = self.model.tok_embeddings.weight.device
-        logits = self.model(tokens_BS.to(device), start, self.caches, pad_B.to(device), last_only=True)
+        logits = self.model(tokens_BS.to(device), start, self.caches, pad_B, last_only=True)
         return logits[:, -1]
 
     def generate(self, ids, params, eos, context, on_token=None) -> GenerationResult:

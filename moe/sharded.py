@@ -73,9 +73,9 @@ class ShardedEngine:
         shape = (B, S, cfg.dim)
         device = self.dist.device
         h = self.model.tok_embeddings(tokens_BS.to(device)) if self.rank == p.embed_rank else None
-        pad = pad_B.to(device) if pad_B is not None else None
-        ctx = AttentionContext.build(cfg, B, S, start, pad, device, self.dtype) if p.blocks_of(self.rank) else None
-        rows = real_token_rows(pad, S, start)
+        # The padding stays on the CPU (the generation loop made it there); the context copies it over.
+        ctx = AttentionContext.build(cfg, B, S, start, pad_B, device, self.dtype) if p.blocks_of(self.rank) else None
+        rows = real_token_rows(pad_B, S, start, device)
         holder = p.embed_rank
         empty_x = torch.empty(0, cfg.dim, dtype=self.dtype, device=device)
         empty_w = torch.empty(0, cfg.top_k, device=device)
