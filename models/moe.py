@@ -32,6 +32,8 @@ class Router(nn.Module):
         self.round_robin = False
         # Sum over routed tokens of the entropy of the full router distribution (for load reports).
         self.register_buffer("entropy_sum", torch.zeros((), dtype=torch.float64), persistent=False)
+        # Training keeps the last gate logits (with their graph) for the load-balancing loss.
+        self.last_logits_TE: torch.Tensor | None = None
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         T = x_TD.shape[0]
@@ -40,8 +42,11 @@ class Router(nn.Module):
             weights_TK = torch.full((T, self.top_k), 1.0 / self.top_k, device=x_TD.device)
             return weights_TK, ids_TK
         logits_TE = F.linear(x_TD, self.weight).float()
-        logp_TE = torch.log_softmax(logits_TE, dim=-1)
-        self.entropy_sum -= (logp_TE.exp() * logp_TE).sum().double()
+        with torch.no_grad():
+            logp_TE = torch.log_softmax(logits_TE, dim=-1)
+            self.entropy_sum -= (logp_TE.exp() * logp_TE).sum().double()
+        if self.training:
+            self.last_logits_TE = logits_TE
         top_logits_TK, ids_TK = torch.topk(logits_TE, self.top_k, dim=-1)
         return torch.softmax(top_logits_TK, dim=-1), ids_TK
 
@@ -57,18 +62,20 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor) -> torch.Tensor:
         """x_ND holds counts_El[0] copies for stacked expert 0, then counts_El[1] for expert 1, ..."""
-        out_ND = torch.empty_like(x_ND)
         # One host sync per layer: the split sizes decide which experts run and on which rows.
         counts = counts_El.tolist()
-        start = 0
+        # unbind: one view per expert, whose backward stacks the gradients once (indexing would zero-fill per expert)
+        w1, w2, w3 = self.w1.unbind(0), self.w2.unbind(0), self.w3.unbind(0)
+        outs, start = [], 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue  # an expert that got no token does not run
             rows = x_ND[start:start + n]
-            h = F.silu(rows @ self.w1[e].T) * (rows @ self.w3[e].T)
-            out_ND[start:start + n] = h @ self.w2[e].T
+            h = F.silu(rows @ w1[e].T) * (rows @ w3[e].T)
+            outs.append(h @ w2[e].T)
             start += n
-        return out_ND
+        # Concatenating (not writing into slices of a buffer) keeps the backward pass free of zero-filled copies.
+        return torch.cat(outs) if outs else x_ND.new_empty((0, self.w2.shape[1]))
 
 
 @dataclass

@@ -13,6 +13,7 @@ import torch
 
 from models.config import ModelConfig
 from moe.build import build_model
+from moe.checkpoint.files import CheckpointError
 from moe.checkpoint.formats import detect
 from moe.checkpoint.loader import parse_dtype
 from moe.generation import SamplingParams, check_prompts
@@ -22,7 +23,7 @@ from moe.local import LocalEngine
 from moe.placement import Placement
 from moe.remote import RemoteEngine
 from moe.tokenizer import IncrementalDecoder, Tokenizer
-from moe.worker import spec_for
+from moe.worker import print_progress, spec_for
 
 
 def resolve_placement(placement: Placement | str | Path | dict | None, n_layers: int, n_experts: int, gpus: int,
@@ -47,12 +48,13 @@ class MoEModel:
     def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype | None = None, device: str = "cpu",
                         gpus: int = 1, placement: Placement | str | Path | dict | None = None,
                         blocks_per_rank: list[int] | None = None, master_port: int | None = None,
-                        threads: int | None = None) -> MoEModel:
+                        threads: int | None = None, progress: bool = False) -> MoEModel:
         """Load a Hugging Face or Mistral consolidated directory.
 
         With `gpus=N > 1`, N ranks (one GPU each, or CPU processes over gloo without CUDA) share the model
         under `placement` (default: contiguous block ranges, experts of every block spread over all ranks);
-        the ranks stop on `close()`, at the end of a `with` block, or at interpreter exit.
+        the ranks stop on `close()`, at the end of a `with` block, or at interpreter exit. `progress` prints
+        a line per checkpoint file as rank 0 reads it (to stderr).
         """
         ckpt = detect(path)
         cfg = ckpt.config
@@ -63,14 +65,15 @@ class MoEModel:
         if gpus < 1:
             raise ValueError(f"gpus must be at least 1, got {gpus}")
         if gpus == 1 and placement is None:
-            model, _, stats = build_model(path, torch_dtype, device)
+            model, _, stats = build_model(path, torch_dtype, device, progress=print_progress if progress else None)
             return cls(LocalEngine(model), cfg, tokenizer, info | stats | {"backend": "none", "ranks": 1})
         plan = resolve_placement(placement, cfg.n_layers, cfg.n_experts, gpus, blocks_per_rank)
-        group = WorkerGroup(gpus, spec_for(path, info["dtype"], plan), master_port, threads)
+        group = WorkerGroup(gpus, spec_for(path, info["dtype"], plan, progress), master_port, threads)
         ready = group.ready
         info |= {"backend": ready[0]["backend"], "ranks": gpus, "placement": plan,
                  "load_seconds": max(r["load_seconds"] for r in ready),
-                 "bytes_read": [r["bytes_read"] for r in ready], "rank_params": [r["params"] for r in ready]}
+                 "bytes_read": [r["bytes_read"] for r in ready], "files_read": [r["files_read"] for r in ready],
+                 "rank_params": [r["params"] for r in ready]}
         return cls(RemoteEngine(group, plan), cfg, tokenizer, info)
 
     @property
@@ -89,9 +92,11 @@ class MoEModel:
 
     def generate(self, prompts: list[str] | list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 streamer: Callable[[int, str | int], None] | None = None) -> list[str] | list[list[int]]:
+                 streamer: Callable[[int, str | int], None] | None = None,
+                 ignore_eos: bool = False) -> list[str] | list[list[int]]:
         """New text per prompt for string prompts, new token ids per prompt for token-id prompts.
 
+        `ignore_eos` generates exactly `max_new_tokens` (for benchmarks), as vLLM's option of that name.
         `streamer(prompt_index, piece)` receives each new text piece (or token id) as soon as it exists.
         """
         if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, list):
@@ -104,6 +109,7 @@ class MoEModel:
         params = SamplingParams(max_new_tokens, temperature, top_p, top_k,
                                 seed if seed is not None else random.randrange(2**31))
         eos = self._tokenizer.eos_id if self._tokenizer is not None else self.config.eos_id
+        eos = None if ignore_eos else eos
         on_token = None
         if streamer is not None and is_text:
             decoders = [IncrementalDecoder(self.tokenizer) for _ in ids]
@@ -116,6 +122,19 @@ class MoEModel:
         result = self.engine.generate(ids, params, eos, self.config.max_seq_len, on_token)
         self.last_result = result
         return [self.tokenizer.decode(t) for t in result.tokens] if is_text else result.tokens
+
+    def save_pretrained(self, path: str | Path, max_shard_size: str | int | None = "200MB") -> list[dict]:
+        """Write a Hugging Face directory (safetensors + index, config.json, tokenizer) from wherever the weights
+        are: each rank writes the tensors it holds, nothing is gathered. Atomic: the directory appears complete
+        or not at all. Returns, per rank, the files it wrote and their bytes."""
+        from moe.checkpoint.convert import parse_size
+
+        path = Path(path)
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise CheckpointError(f"{path}: output directory exists and is not empty")
+        size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
+        tokenizer = str(self._tokenizer.path) if self._tokenizer is not None else None
+        return self.engine.save(str(path.resolve()), size, tokenizer)
 
     def expert_load(self) -> ExpertLoadReport:
         """Which experts and ranks received how many token copies since loading (or the last reset)."""

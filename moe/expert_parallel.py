@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 
 from models.moe import GroupedExperts, Grouping, combine
 
@@ -59,14 +58,31 @@ def chunk_order(counts_RM: torch.Tensor) -> torch.Tensor:
     return torch.sort(key, stable=True).indices
 
 
-def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
-    """Variable-size all-to-all of rows; differentiable when gradients are needed (training)."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        return dist_fn.all_to_all_single(out, x, out_splits, in_splits)
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits)
     return out
+
+
+class _Exchange(torch.autograd.Function):
+    """The gradient of an all-to-all is the all-to-all back: rows return to where they came from."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        ctx.splits = (out_splits, in_splits)
+        return _all_to_all(x, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        return _all_to_all(grad, in_splits, out_splits), None, None
+
+
+def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+    """Variable-size all-to-all of rows; differentiable when gradients are needed (training)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Exchange.apply(x, out_splits, in_splits)
+    return _all_to_all(x, out_splits, in_splits)
 
 
 class AllToAllDispatcher:

@@ -146,3 +146,36 @@ class WorkerGroup:
         for conn in self.conns:
             conn.close()
         atexit.unregister(self.close)
+
+
+def run_ranks(target: Callable, world_size: int, *args, master_port: int | None = None) -> None:
+    """Run target(rank, world_size, port, *args) in N processes until all return; if one fails, stop all.
+
+    For batch jobs (training) that need no requests from the parent; each rank prints its own traceback.
+    """
+    if master_port is not None:
+        check_port_free(master_port)
+    port = master_port or free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(rank, world_size, port, *args), name=f"moe-rank{rank}", daemon=True)
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        running = {p.sentinel: r for r, p in enumerate(procs)}
+        while running:
+            for sentinel in wait(list(running)):
+                rank = running.pop(sentinel)
+                procs[rank].join()
+                code = procs[rank].exitcode
+                if code != 0:
+                    how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+                    raise RankFailure(f"rank {rank} failed ({how}); stopped all {world_size} ranks")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()

@@ -6,6 +6,8 @@ import torch
 
 from models.attention import KVCache
 from models.transformer import Transformer
+from moe.checkpoint.distributed_save import save_distributed
+from moe.distributed import single_process
 from moe.generation import GenerationResult, generate_tokens
 from moe.load_stats import local_load_stats, reset_load_stats, set_round_robin
 from moe.memory import peak_memory_mib
@@ -44,6 +46,9 @@ class LocalEngine:
 
     def set_round_robin(self, enabled: bool) -> None:
         set_round_robin(self.model, enabled)
+
+    def save(self, out: str, max_shard_bytes: int | None, tokenizer: str | None) -> list[dict]:
+        return [save_distributed(self.model, self.model.cfg, out, single_process(), max_shard_bytes, tokenizer)]
 
     def peak_memory_mib(self) -> list[float]:
         return [peak_memory_mib(self.model.norm.weight.device)]

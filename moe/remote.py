@@ -30,6 +30,9 @@ class RemoteEngine:
     def reset_load_stats(self) -> None:
         self.group.call("reset_load_stats")
 
+    def save(self, out: str, max_shard_bytes: int | None, tokenizer: str | None) -> list[dict]:
+        return self.group.call("save", out, max_shard_bytes, tokenizer)
+
     def peak_memory_mib(self) -> list[float]:
         return self.group.call("memory")
 

@@ -33,6 +33,18 @@ class Tokenizer:
         return self.sp.decode(ids)
 
 
+def train_tokenizer(text_file: Path, vocab_size: int, out: Path) -> None:
+    """A SentencePiece BPE model with byte fallback (any text encodes), ids 0/1/2 = unk/bos/eos."""
+    import sentencepiece as spm
+
+    spm.SentencePieceTrainer.train(
+        input=str(text_file), model_prefix=str(out.with_suffix("")), vocab_size=vocab_size, model_type="bpe",
+        byte_fallback=True, character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
+        input_sentence_size=200_000, shuffle_input_sentence=True, max_sentence_length=1 << 16, minloglevel=2,
+    )
+    out.with_suffix(".vocab").unlink(missing_ok=True)  # a human-readable copy nothing reads
+
+
 class IncrementalDecoder:
     """Turns a growing list of token ids into new text pieces.
 

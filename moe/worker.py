@@ -18,6 +18,7 @@ import torch
 
 from models.config import ConfigError
 from moe.build import build_model
+from moe.checkpoint.distributed_save import save_distributed
 from moe.checkpoint.files import CheckpointError
 from moe.checkpoint.formats import detect
 from moe.checkpoint.loader import parse_dtype
@@ -36,14 +37,20 @@ class ShardSpec:
     path: str
     dtype: str | None
     placement: dict  # Placement.to_json(), already validated by the parent
+    progress: bool = False  # rank 0 prints a line per checkpoint file it has read
 
 
 def load_shard(spec: ShardSpec, dist: DistContext) -> tuple[ShardedEngine, dict]:
     placement = Placement.from_json(spec.placement)
     torch_dtype = parse_dtype(spec.dtype, detect(spec.path).torch_dtype)
+    progress = print_progress if spec.progress and dist.rank == 0 else None
     model, _, stats = build_model(spec.path, torch_dtype, dist.device,
-                                  prune=lambda m: apply_placement(m, placement, dist.rank))
+                                  prune=lambda m: apply_placement(m, placement, dist.rank), progress=progress)
     return ShardedEngine(model, placement, dist, torch_dtype), stats
+
+
+def print_progress(line: str) -> None:
+    print(f"rank 0: {line}", file=sys.stderr, flush=True)
 
 
 def _die_with_parent() -> None:
@@ -92,6 +99,10 @@ def serve(engine: ShardedEngine, conn) -> None:
         elif op == "logits":
             logits = engine.logits(args[0])
             conn.send(("ok", logits.cpu() if logits is not None else None))
+        elif op == "save":
+            out, max_shard_bytes, tokenizer = args
+            conn.send(("ok", save_distributed(engine.model, engine.model.cfg, out, engine.dist,
+                                              max_shard_bytes, tokenizer)))
         elif op == "memory":
             conn.send(("ok", peak_memory_mib(engine.dist.device)))
         elif op == "load_stats":
@@ -111,5 +122,5 @@ def serve(engine: ShardedEngine, conn) -> None:
             raise ValueError(f"unknown request {op!r}")
 
 
-def spec_for(path: str | Path, dtype: str | None, placement: Placement) -> ShardSpec:
-    return ShardSpec(str(path), dtype, placement.to_json())
+def spec_for(path: str | Path, dtype: str | None, placement: Placement, progress: bool = False) -> ShardSpec:
+    return ShardSpec(str(path), dtype, placement.to_json(), progress)

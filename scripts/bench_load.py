@@ -1,49 +1,81 @@
-"""Per-rank memory when loading: builds a checkpoint of a named size, loads it on 1 and N ranks, prints a table.
+"""Load time and per-rank peak memory: one checkpoint in three layouts, loaded on 1 and N ranks.
 
-    python scripts/bench_load.py --size small --gpus 4
+    python scripts/bench_load.py --size small --gpus 4 --json load.json
+
+Layouts: one monolithic safetensors file; files of at most --max-shard-size; rank-aligned files of at most
+--max-shard-size (scripts/shard.py --gpus N). Every load runs in fresh processes, so each peak RSS (VmHWM) is
+that rank's own; "above base" subtracts the process's RSS before it read any weight. Prints the median load
+time over --repeats runs, and the target the sharding issue sets: weights/N + 15%.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe.api import MoEModel  # noqa: E402
 from moe.bench_models import SIZES, write_sized_checkpoint  # noqa: E402
+from moe.checkpoint.convert import parse_size  # noqa: E402
+from moe.checkpoint.reshard import reshard  # noqa: E402
+from moe.placement import Placement  # noqa: E402
+
+
+def load_once(path: Path, gpus: int) -> list[dict]:
+    """Per-rank figures of one load. One rank runs in a subprocess so its memory is its own."""
+    if gpus == 1:
+        out = subprocess.run([sys.executable, __file__, "--single", str(path)], capture_output=True, text=True,
+                             check=True).stdout
+        return [json.loads(out)]
+    t0 = time.perf_counter()
+    with MoEModel.from_pretrained(path, gpus=gpus) as model:
+        wall = time.perf_counter() - t0
+        return [r | {"wall_seconds": wall} for r in model.engine.group.ready]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--gpus", type=int, default=4)
-    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    ap.add_argument("--max-shard-size", default="200MB")
+    ap.add_argument("--repeats", type=int, default=3, help="loads per case; the median is shown")
+    ap.add_argument("--json", type=Path, default=None, help="also write every figure here")
     args = ap.parse_args()
+    shard_bytes = parse_size(args.max_shard_size)
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_sized_checkpoint(Path(tmp) / args.size, args.size)
-        weights_mib = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**20
-        print(f"checkpoint {args.size}: {weights_mib:.0f} MiB of fp32 weights")
-        print(f"{'ranks':>5} {'rank':>4} {'baseline MiB':>12} {'peak MiB':>9} {'above base':>10} "
-              f"{'read MiB':>9} {'weights/N':>9}")
-        result = {}
-        for gpus in (1, args.gpus):
-            if gpus == 1:
-                out = subprocess.run([sys.executable, __file__, "--single", str(path)], capture_output=True,
-                                     text=True, check=True).stdout
-                ranks = [json.loads(out)]
-            else:
-                with MoEModel.from_pretrained(path, gpus=gpus) as model:
-                    ranks = model.engine.group.ready
-            result[gpus] = ranks
-            for r in ranks:
-                print(f"{gpus:>5} {r['rank']:>4} {r['baseline_mib']:>12.0f} {r['loaded_peak_mib']:>9.0f} "
-                      f"{r['loaded_peak_mib'] - r['baseline_mib']:>10.0f} {r['bytes_read'] / 2**20:>9.0f} "
-                      f"{weights_mib / gpus:>9.0f}")
+        mono = write_sized_checkpoint(Path(tmp) / "monolithic", args.size)
+        cfg = SIZES[args.size]
+        layouts = {"monolithic": mono, f"{args.max_shard_size} shards": Path(tmp) / "sharded",
+                   "rank-aligned": Path(tmp) / "aligned"}
+        reshard(mono, layouts[f"{args.max_shard_size} shards"], shard_bytes)
+        reshard(mono, layouts["rank-aligned"], shard_bytes, Placement.default(cfg.n_layers, cfg.n_experts, args.gpus))
+        weights_mib = sum(f.stat().st_size for f in mono.glob("*.safetensors")) / 2**20
+        print(f"checkpoint {args.size}: {weights_mib:.0f} MiB of fp32 weights; median of {args.repeats} loads")
+        print(f"{'layout':>14} {'ranks':>5} {'rank':>4} {'files':>5} {'read MiB':>8} {'load s':>6} {'wall s':>6} "
+              f"{'base MiB':>8} {'peak MiB':>8} {'above':>6} {'target':>6}")
+        result = {"weights_mib": weights_mib, "cases": {}}
+        for layout, path in layouts.items():
+            n_files = len(list(path.glob("*.safetensors")))
+            for gpus in (1, args.gpus):
+                runs = [load_once(path, gpus) for _ in range(args.repeats)]
+                result["cases"][f"{layout}/{gpus}"] = runs
+                target = weights_mib / gpus * 1.15
+                for rank in range(gpus):
+                    rows = [run[rank] for run in runs]
+                    med = {k: statistics.median(r[k] for r in rows)
+                           for k in ("load_seconds", "wall_seconds", "baseline_mib", "loaded_peak_mib")}
+                    above = med["loaded_peak_mib"] - med["baseline_mib"]
+                    print(f"{layout:>14} {gpus:>5} {rank:>4} {len(rows[0]['files_read']):>2}/{n_files:<2} "
+                          f"{rows[0]['bytes_read'] / 2**20:>8.0f} {med['load_seconds']:>6.2f} "
+                          f"{med['wall_seconds']:>6.2f} {med['baseline_mib']:>8.0f} {med['loaded_peak_mib']:>8.0f} "
+                          f"{above:>6.0f} {target:>6.0f}")
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))
 
@@ -53,9 +85,12 @@ def single(path: str) -> None:
     from moe.memory import peak_memory_mib
 
     baseline = peak_memory_mib()
+    t0 = time.perf_counter()
     model = MoEModel.from_pretrained(path)
+    wall = time.perf_counter() - t0
     print(json.dumps({"rank": 0, "baseline_mib": baseline, "loaded_peak_mib": peak_memory_mib(),
-                      "bytes_read": model.info["bytes_read"]}))
+                      "bytes_read": model.info["bytes_read"], "files_read": model.info["files_read"],
+                      "load_seconds": model.info["load_seconds"], "wall_seconds": wall}))
 
 
 if __name__ == "__main__":

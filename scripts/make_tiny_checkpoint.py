@@ -17,16 +17,7 @@ import torch  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.transformer import Transformer  # noqa: E402
 from moe.checkpoint.writer import save_checkpoint  # noqa: E402
-
-
-def train_tokenizer(text_file: Path, vocab_size: int, out: Path) -> None:
-    import sentencepiece as spm
-
-    spm.SentencePieceTrainer.train(
-        input=str(text_file), model_prefix=str(out.with_suffix("")), vocab_size=vocab_size, model_type="bpe",
-        byte_fallback=True, character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
-        input_sentence_size=200_000, shuffle_input_sentence=True, minloglevel=2,
-    )
+from moe.tokenizer import train_tokenizer  # noqa: E402
 
 
 def random_state(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:

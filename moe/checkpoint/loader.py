@@ -72,9 +72,19 @@ class TensorReader:
     file's pages are not counted in this rank's resident memory. Files are opened on first use.
     """
 
-    def __init__(self, tensors: dict[str, TensorInfo], stack: ExitStack) -> None:
+    def __init__(self, tensors: dict[str, TensorInfo], stack: ExitStack,
+                 on_file_done: Callable[[Path, int, int], None] | None = None) -> None:
         self.tensors, self.stack, self.handles = tensors, stack, {}
         self.bytes_read = 0
+        self.on_file_done = on_file_done  # (file, files done, files to read), when its last needed tensor is in
+        self.remaining: dict[Path, int] = {}
+
+    def expect(self, names: list[str]) -> None:
+        """The tensors about to be read, so progress can count files as they complete."""
+        for n in names:
+            info = self.tensors[n]
+            self.remaining[info.file] = self.remaining.get(info.file, 0) + 1
+        self.n_files = len(self.remaining)
 
     def info(self, name: str) -> TensorInfo:
         return self.tensors[name]
@@ -102,35 +112,61 @@ class TensorReader:
         if got != info.nbytes:
             raise CheckpointError(f"{info.file.name}: file is truncated inside tensor {name}")
         self.bytes_read += got
+        if info.file in self.remaining:
+            self.remaining[info.file] -= 1
+            if self.remaining[info.file] == 0 and self.on_file_done is not None:
+                done = sum(1 for v in self.remaining.values() if v == 0)
+                self.on_file_done(info.file, done, self.n_files)
         return out
 
     def read(self, name: str) -> torch.Tensor:
         return self.read_into(name, self.empty(name))
 
 
+def needed_sources(model: nn.Module, fmt: str, cfg) -> dict[str, list[str]]:
+    """Checkpoint tensor names each of this rank's parameters is read from (experts: one per held expert)."""
+    out = {}
+    for name in model.state_dict(keep_vars=True):
+        if is_stacked_expert(name):
+            ids = model.get_submodule(name.rsplit(".", 1)[0]).expert_ids
+            out[name] = [external_name(fmt, cfg, name, e) for e in ids]
+        else:
+            out[name] = [external_name(fmt, cfg, name)]
+    return out
+
+
 def load_into(model: nn.Module, ckpt: CheckpointFormat, directory: str | Path, full_shapes: dict[str, torch.Size],
               dtype: torch.dtype, device: torch.device | str,
               progress: Callable[[str], None] | None = None) -> dict[str, float]:
-    """Load this rank's tensors into `model` (built on meta, already pruned to what the rank holds)."""
+    """Load this rank's tensors into `model` (built on meta, already pruned to what the rank holds).
+
+    `progress` gets one line per checkpoint file as the last tensor this rank needs from it is read.
+    """
     t0 = time.perf_counter()
     tensors = index_tensors(Path(directory), ckpt.weight_files)
     check_names_and_shapes(ckpt, full_shapes, tensors)
     cfg = ckpt.config
+    sources = needed_sources(model, ckpt.fmt, cfg)
     state, by_source = {}, {}
+
+    def file_done(path: Path, done: int, total: int) -> None:
+        progress(f"loaded {path.name} ({done}/{total} files, {reader.bytes_read / 2**20:.1f} MiB, "
+                 f"{time.perf_counter() - t0:.2f} s)")
+
     with ExitStack() as stack:
-        reader = TensorReader(tensors, stack)
+        reader = TensorReader(tensors, stack, file_done if progress else None)
+        reader.expect(sorted({s for names in sources.values() for s in names}))
         for name, param in model.state_dict(keep_vars=True).items():
             if is_stacked_expert(name):
-                ids = model.get_submodule(name.rsplit(".", 1)[0]).expert_ids
-                if not ids:
+                names = sources[name]
+                if not names:
                     state[name] = torch.empty(param.shape, dtype=dtype, device=device)
                     continue
-                sources = [external_name(ckpt.fmt, cfg, name, e) for e in ids]
-                t = reader.empty(sources[0], leading=(len(ids),))  # one buffer, each expert read into its row
-                for row, source in enumerate(sources):
+                t = reader.empty(names[0], leading=(len(names),))  # one buffer, each expert read into its row
+                for row, source in enumerate(names):
                     reader.read_into(source, t[row])
             else:
-                source = external_name(ckpt.fmt, cfg, name)
+                source = sources[name][0]
                 if source in by_source:  # tied embeddings: one tensor, two parameters
                     state[name] = by_source[source]
                     continue
@@ -140,7 +176,6 @@ def load_into(model: nn.Module, ckpt: CheckpointFormat, directory: str | Path, f
                     t = to_half_split(t, cfg.n_heads if kind == "wq" else cfg.n_kv_heads)
                 t = by_source[source] = t.to(device=device, dtype=dtype)
             state[name] = t.to(device=device, dtype=dtype)  # no copy when already there
-        if progress:
-            progress(f"read {reader.bytes_read / 2**20:.1f} MiB from {len(reader.handles)} file(s)")
+        files_read = sorted(p.name for p in reader.handles)
     model.load_state_dict(state, strict=True, assign=True)
-    return {"load_seconds": time.perf_counter() - t0, "bytes_read": reader.bytes_read}
+    return {"load_seconds": time.perf_counter() - t0, "bytes_read": reader.bytes_read, "files_read": files_read}

@@ -40,12 +40,15 @@ def to_external(state: dict[str, torch.Tensor], cfg: ModelConfig, fmt: str,
     return out
 
 
-def plan_shards(tensors: dict[str, torch.Tensor], max_bytes: int | None) -> list[list[str]]:
+def nbytes(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    return {name: t.numel() * t.element_size() for name, t in tensors.items()}
+
+
+def plan_shards(sizes: dict[str, int], max_bytes: int | None) -> list[list[str]]:
     """Group tensor names, in order, into files of at most `max_bytes` (a larger tensor gets a file alone)."""
     shards: list[list[str]] = [[]]
     size = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
+    for name, n in sizes.items():
         if max_bytes is not None and shards[-1] and size + n > max_bytes:
             shards.append([])
             size = 0
@@ -55,7 +58,7 @@ def plan_shards(tensors: dict[str, torch.Tensor], max_bytes: int | None) -> list
 
 
 def write_hf_shards(tensors: dict[str, torch.Tensor], directory: Path, max_bytes: int | None) -> None:
-    shards = plan_shards(tensors, max_bytes)
+    shards = plan_shards(nbytes(tensors), max_bytes)
     if len(shards) == 1:
         save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
         return
@@ -73,26 +76,45 @@ def save_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: s
                     tokenizer: str | Path | None = None, max_shard_bytes: int | None = None) -> Path:
     """Write safetensors plus config (and tokenizer) to `out_dir`, atomically."""
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise CheckpointError(f"{out_dir}: output directory exists and is not empty")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is meant to be shared
+    tmp = make_partial_dir(out_dir)
     try:
         tensors = to_external({k: v.detach().cpu() for k, v in state.items()}, cfg, fmt)
         if fmt == MISTRAL:
             save_file(tensors, tmp / "consolidated.safetensors")
             (tmp / "params.json").write_text(json.dumps(cfg.to_mistral(), indent=2) + "\n")
+            finish_checkpoint(tmp, out_dir, None, None, tokenizer)
         else:
             write_hf_shards(tensors, tmp, max_shard_bytes)
-            dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.") if tensors else "float32"
-            (tmp / "config.json").write_text(json.dumps(cfg.to_hf() | {"dtype": dtype}, indent=2) + "\n")
-        if tokenizer is not None:
-            shutil.copyfile(tokenizer, tmp / "tokenizer.model")
-        if out_dir.exists():
-            out_dir.rmdir()
-        os.replace(tmp, out_dir)
+            finish_checkpoint(tmp, out_dir, cfg, dtype_name(tensors), tokenizer)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def dtype_name(tensors: dict[str, torch.Tensor]) -> str:
+    return str(next(iter(tensors.values())).dtype).removeprefix("torch.") if tensors else "float32"
+
+
+def make_partial_dir(out_dir: Path) -> Path:
+    """A hidden temporary sibling of `out_dir`; the checkpoint becomes visible only when it is renamed."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise CheckpointError(f"{out_dir}: output directory exists and is not empty")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is meant to be shared
+    return tmp
+
+
+def finish_checkpoint(tmp: Path, out_dir: Path, cfg: ModelConfig | None, dtype: str | None,
+                      tokenizer: str | Path | None) -> None:
+    """Write config.json (HF) and the tokenizer, then rename the finished directory into place."""
+    if cfg is not None:
+        (tmp / "config.json").write_text(json.dumps(cfg.to_hf() | {"dtype": dtype}, indent=2) + "\n")
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, tmp / "tokenizer.model")
+    for f in tmp.iterdir():
+        f.chmod(0o644)  # safetensors writes owner-only files; a checkpoint is meant to be shared
+    if out_dir.exists():
+        out_dir.rmdir()
+    os.replace(tmp, out_dir)

@@ -1,0 +1,130 @@
+"""Speed cases for scripts/bench.py: this project and Hugging Face transformers on the same weights.
+
+Each case runs in its own process (so its peak RSS is its own) and returns a dict of figures:
+load seconds, prefill tokens/s (batch 1 x 512), time to first token, decode tokens/s at batch 1 and 8
+(128 new tokens, greedy, KV cache), peak RSS. `decode_bytes_per_token` is what one decode step must read.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from models.config import ModelConfig
+from moe.memory import peak_memory_mib
+
+PREFILL, DECODE_PROMPT, NEW_TOKENS = 512, 32, 128
+
+
+def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=g).tolist()
+
+
+def memory_bandwidth(threads: int, mib: int = 512, repeats: int = 7) -> float:
+    """GB/s of a large fp32 copy (bytes read + bytes written), median of `repeats`."""
+    torch.set_num_threads(threads)
+    src = torch.ones(mib * 2**18)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / statistics.median(times) / 1e9
+
+
+def decode_bytes_per_token(cfg: ModelConfig, element_size: int) -> int:
+    """Weights one decode step must read: per block attention, norms, router and k experts; final norm, head."""
+    D, F = cfg.dim, cfg.hidden_dim
+    attention = D * cfg.n_heads * cfg.head_dim * 2 + D * cfg.n_kv_heads * cfg.head_dim * 2
+    router = D * cfg.n_experts if cfg.n_experts > 1 else 0
+    experts = cfg.top_k * 3 * D * F
+    per_block = attention + router + experts + 2 * D
+    return (cfg.n_layers * per_block + D + cfg.vocab_size * D + D) * element_size  # + one embedding row
+
+
+def ours(path: str, gpus: int, dtype: str, threads: int, repeats: int) -> dict:
+    from moe import MoEModel
+
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    # N ranks share the same cores: each gets threads / N.
+    model = MoEModel.from_pretrained(path, dtype=dtype, gpus=gpus, threads=max(1, threads // gpus))
+    load = time.perf_counter() - t0
+    V = model.config.vocab_size
+    with model:
+        model.generate(prompts(1, 16, V), max_new_tokens=4, ignore_eos=True)  # warm-up
+        prefill, decode1, decode8 = [], [], []
+        for r in range(repeats):
+            model.generate(prompts(1, PREFILL, V, r), max_new_tokens=1, ignore_eos=True)
+            prefill.append(model.last_result.prefill_seconds)
+            model.generate(prompts(1, DECODE_PROMPT, V, r), max_new_tokens=NEW_TOKENS, ignore_eos=True)
+            decode1.append(model.last_result.decode_seconds / (NEW_TOKENS - 1))
+            model.generate(prompts(8, DECODE_PROMPT, V, r), max_new_tokens=NEW_TOKENS, ignore_eos=True)
+            decode8.append(model.last_result.decode_seconds / (NEW_TOKENS - 1))
+        model.reset_expert_load()
+        model.generate(prompts(1, DECODE_PROMPT, V), max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        received = model.expert_load().rank_load().sum(dim=1)  # rows each block's experts computed
+        peak = model.engine.peak_memory_mib()
+    routed_per_token = (received / (DECODE_PROMPT + NEW_TOKENS - 1)).tolist()
+    return {"load_s": load, "prefill_s": statistics.median(prefill), "ttft_s": statistics.median(prefill),
+            "decode1_step_s": statistics.median(decode1), "decode8_step_s": statistics.median(decode8),
+            "peak_rss_mib": peak, "rows_per_block_per_token": routed_per_token}
+
+
+class _Clock:
+    """A transformers streamer that timestamps every put(): the prompt first, then each new token."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def transformers_case(path: str, dtype: str, threads: int, repeats: int) -> dict:
+    from transformers import MixtralForCausalLM
+
+    torch.set_num_threads(threads)
+    torch_dtype = getattr(torch, dtype)
+    t0 = time.perf_counter()
+    model = MixtralForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
+    load = time.perf_counter() - t0
+    V = model.config.vocab_size
+
+    def run(batch: int, length: int, new: int, seed: int) -> list[float]:
+        ids = torch.tensor(prompts(batch, length, V, seed))
+        clock = _Clock()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, streamer=clock if batch == 1 else None, pad_token_id=0)
+        end = time.perf_counter()
+        return [start, *clock.times[1:], end]  # times[0] is the prompt being echoed
+
+    run(1, 16, 4, 0)  # warm-up
+    prefill, decode1, decode8 = [], [], []
+    for r in range(repeats):
+        t = run(1, PREFILL, 1, r)
+        prefill.append(t[1] - t[0])
+        t = run(1, DECODE_PROMPT, NEW_TOKENS, r)
+        decode1.append((t[-2] - t[1]) / (NEW_TOKENS - 1))
+        first = run(8, DECODE_PROMPT, 1, r)
+        full = run(8, DECODE_PROMPT, NEW_TOKENS, r)
+        decode8.append(((full[-1] - full[0]) - (first[-1] - first[0])) / (NEW_TOKENS - 1))
+    return {"load_s": load, "prefill_s": statistics.median(prefill), "ttft_s": statistics.median(prefill),
+            "decode1_step_s": statistics.median(decode1), "decode8_step_s": statistics.median(decode8),
+            "peak_rss_mib": [peak_memory_mib()]}
+
+
+def checkpoint_config(path: str | Path) -> ModelConfig:
+    from moe.checkpoint.formats import detect
+
+    return detect(path).config

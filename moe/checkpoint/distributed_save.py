@@ -1,0 +1,99 @@
+"""Save a model held by N ranks as one Hugging Face directory: each rank writes the tensors it holds.
+
+Nothing is gathered onto one rank. A tensor held by several ranks (replicated dense weights in training,
+replicated experts in a placement) is written once, by the lowest of them. The ranks agree on a global
+file numbering (`model-00003-of-00007.safetensors`); rank 0 writes the index, config and tokenizer last
+and renames the directory into place, so an interrupted save leaves no valid-looking checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from models.config import ModelConfig
+from moe.checkpoint.files import HF_INDEX, CheckpointError
+from moe.checkpoint.formats import HF, is_stacked_expert
+from moe.checkpoint.writer import dtype_name, finish_checkpoint, make_partial_dir, nbytes, plan_shards, to_external
+from moe.distributed import DistContext
+
+
+def gather(obj, ctx: DistContext) -> list:
+    if not ctx.distributed:
+        return [obj]
+    out = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def stacked_expert_ids(model: torch.nn.Module) -> dict[str, list[int]]:
+    """Global expert id of each row of every stacked expert tensor this rank holds."""
+    ids = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "expert_ids"):
+            for w in ("w1", "w2", "w3"):
+                ids[f"{name}.{w}"] = list(module.expert_ids)
+    return ids
+
+
+def save_distributed(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Path, ctx: DistContext,
+                     max_shard_bytes: int | None = None, tokenizer: str | Path | None = None) -> dict:
+    """Collective: every rank calls it. Returns {"files": [this rank's files], "bytes": bytes written here}."""
+    out_dir = Path(out_dir)
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    expert_ids = {k: v for k, v in stacked_expert_ids(model).items() if k in state and is_stacked_expert(k)}
+    tensors = to_external(state, cfg, HF, expert_ids)
+    holders = gather(sorted(tensors), ctx)
+    first_holder = {}
+    for rank, names in enumerate(holders):
+        for n in names:
+            first_holder.setdefault(n, rank)
+    mine = {n: t for n, t in tensors.items() if first_holder[n] == ctx.rank}
+
+    # Rank 0 makes the partial directory and tells the others (or tells them why it could not).
+    made: list[object] = [None]
+    if ctx.rank == 0:
+        try:
+            made[0] = str(make_partial_dir(out_dir))
+        except CheckpointError as e:
+            made[0] = e
+    if ctx.distributed:
+        dist.broadcast_object_list(made, src=0)
+    if isinstance(made[0], Exception):
+        raise made[0]
+    tmp = Path(made[0])
+    try:
+        shards = plan_shards(nbytes(mine), max_shard_bytes) if mine else []
+        counts = gather(len(shards), ctx)
+        total_files, first = sum(counts), sum(counts[:ctx.rank])
+        weight_map, files = {}, []
+        for i, names in enumerate(shards):
+            fname = ("model.safetensors" if total_files == 1
+                     else f"model-{first + i + 1:05d}-of-{total_files:05d}.safetensors")
+            save_file({n: mine[n] for n in names}, tmp / fname, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(names, fname))
+            files.append(fname)
+        written = sum(t.numel() * t.element_size() for t in mine.values())
+        maps = gather((weight_map, written, dtype_name(tensors) if tensors else None), ctx)
+        if ctx.distributed:
+            dist.barrier()  # every rank's files are complete before the index names them
+        if ctx.rank == 0:
+            full_map = {k: v for m, _, _ in maps for k, v in m.items()}
+            if total_files > 1:
+                index = {"metadata": {"total_size": sum(b for _, b, _ in maps)},
+                         "weight_map": dict(sorted(full_map.items()))}
+                (tmp / HF_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+            dtype = next(d for _, _, d in maps if d is not None)
+            finish_checkpoint(tmp, out_dir, cfg, dtype, tokenizer)
+        if ctx.distributed:
+            dist.barrier()
+    except BaseException:
+        if ctx.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"files": files, "bytes": written}

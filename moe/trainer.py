@@ -1,0 +1,160 @@
+"""The training run: data, schedule, validation, logging and saving around `moe.training.train_step`.
+
+`run_training` starts one process per rank (or runs in this process for one rank); under torchrun each
+process is a rank already. Rank 0 prints and writes the log; all ranks write their experts at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from models.config import ModelConfig
+from moe.checkpoint.distributed_save import save_distributed
+from moe.corpus import read_documents
+from moe.distributed import DistContext, single_process
+from moe.evaluation import Score, score_windows, token_stream, windows
+from moe.placement import Placement
+from moe.tokenizer import Tokenizer
+from moe.training import (
+    TrainSettings,
+    init_model,
+    lr_at,
+    make_optimizer,
+    sample_batch,
+    shard_experts,
+    train_step,
+)
+
+
+@dataclass
+class TrainJob:
+    corpus: str  # directory with train.txt, valid.txt, tokenizer.model
+    out: str
+    model: dict  # ModelConfig fields
+    settings: TrainSettings = field(default_factory=TrainSettings)
+    steps: int | None = None  # fixed step count; else estimated from `minutes`
+    minutes: float = 20.0
+    eval_every: int = 200
+    eval_windows: int = 64
+    log_every: int = 20
+    threads: int = 1
+
+
+def say(ctx: DistContext, *args, **kwargs) -> None:
+    if ctx.rank == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def agree(value: float, ctx: DistContext) -> float:
+    """Rank 0's value on every rank (decisions that depend on timing must be identical)."""
+    if not ctx.distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
+    dist.broadcast(t, 0)
+    return float(t)
+
+
+def validate(model, wins: list[torch.Tensor], ctx: DistContext, n_bytes_per_token: float) -> Score:
+    """Loss over validation windows; each rank scores its share, sums are all-reduced."""
+    model.eval()
+    mine = wins[ctx.rank::ctx.world_size]
+    # Every rank must run the same number of forward calls (each one exchanges expert rows).
+    per_rank = math.ceil(len(wins) / ctx.world_size)
+    mine = mine + [mine[0]] * (per_rank - len(mine)) if mine else mine
+    weights = [1.0] * len(wins[ctx.rank::ctx.world_size]) + [0.0] * (per_rank - len(wins[ctx.rank::ctx.world_size]))
+    nats, tokens = 0.0, 0
+    for w, keep in zip(mine, weights, strict=True):
+        n, t = score_windows(model, [w], batch=1)
+        nats, tokens = nats + keep * n, tokens + int(keep) * t
+    total = torch.tensor([nats, tokens], dtype=torch.float64, device=ctx.device)
+    if ctx.distributed:
+        dist.all_reduce(total)
+    model.train()
+    return Score(float(total[0]), int(total[1]), round(float(total[1]) * n_bytes_per_token))
+
+
+def train(job: TrainJob, ctx: DistContext) -> dict:
+    torch.set_num_threads(job.threads)
+    corpus = Path(job.corpus)
+    tokenizer = Tokenizer(corpus / "tokenizer.model")
+    train_docs, valid_docs = read_documents(corpus / "train.txt"), read_documents(corpus / "valid.txt")
+    train_stream = token_stream(train_docs, tokenizer)
+    valid_stream = token_stream(valid_docs, tokenizer)
+    bytes_per_token = sum(len(d.encode()) for d in valid_docs) / (valid_stream.numel() - 1)
+    s = job.settings
+    cfg = ModelConfig(**job.model)
+    model = init_model(cfg, s.seed)
+    if ctx.distributed:
+        shard_experts(model, Placement.default(cfg.n_layers, cfg.n_experts, ctx.world_size), ctx.rank)
+    model.train()
+    optimizer = make_optimizer(model, s)
+    all_windows = windows(valid_stream, s.seq_len)
+    step_windows = [w for w in all_windows if w.numel() == s.seq_len + 1][:job.eval_windows]
+    say(ctx, f"train {train_stream.numel():,} tokens, valid {valid_stream.numel():,} tokens; "
+             f"{sum(p.numel() for p in init_model(cfg, s.seed).parameters()):,} parameters; "
+             f"{ctx.world_size} rank(s) x {job.threads} thread(s)")
+
+    history: list[dict] = []
+    total_steps = job.steps or 10**9
+    t0 = time.perf_counter()
+    step = 0
+    while step < total_steps:
+        lr = lr_at(step, total_steps, s)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        r = train_step(model, optimizer, sample_batch(train_stream, s.batch_size, s.seq_len, step, s.seed), s, ctx)
+        step += 1
+        elapsed = agree(time.perf_counter() - t0, ctx)
+        if job.steps is None and step == 20:  # fix the schedule's length from the measured step time
+            total_steps = max(step + 1, int(job.minutes * 60 / (elapsed / step)))
+            say(ctx, f"{elapsed / step:.3f} s/step -> {total_steps} steps in {job.minutes:g} min")
+        row = {"step": step, "tokens": step * s.batch_size * s.seq_len, "seconds": round(elapsed, 1),
+               "lr": lr, "loss": r.loss, "balance": r.balance, "grad_norm": r.grad_norm}
+        if step % job.eval_every == 0 or step == total_steps:
+            v = validate(model, step_windows, ctx, bytes_per_token)
+            row |= {"val_loss": v.nats_per_token, "val_bpb": v.bits_per_byte}
+        history.append(row)
+        if step % job.log_every == 0 or "val_loss" in row:
+            val = f" | val {row['val_loss']:.3f} nats/tok, {row['val_bpb']:.3f} bits/byte" if "val_loss" in row else ""
+            say(ctx, f"step {step:5d} | {elapsed:6.0f} s | lr {lr:.2e} | loss {r.loss:.3f} | "
+                     f"balance {r.balance:.3f} | grad {r.grad_norm:.2f}{val}")
+    train_seconds = time.perf_counter() - t0
+    final = validate(model, all_windows, ctx, bytes_per_token)
+    say(ctx, f"validation (all {len(all_windows)} windows): {final.nats_per_token:.4f} nats/token, "
+             f"{final.bits_per_byte:.4f} bits/byte")
+    model.eval()
+    save_distributed(model, cfg, job.out, ctx, tokenizer=corpus / "tokenizer.model")
+    summary = {"steps": step, "tokens_seen": step * s.batch_size * s.seq_len, "train_seconds": round(train_seconds),
+               "ranks": ctx.world_size, "threads_per_rank": job.threads, "settings": asdict(s),
+               "val_nats_per_token": final.nats_per_token, "val_bits_per_byte": final.bits_per_byte,
+               "history": history}
+    if ctx.rank == 0:
+        (Path(job.out) / "training_log.json").write_text(json.dumps(summary, indent=1) + "\n")
+        say(ctx, f"wrote {job.out}")
+    return summary
+
+
+def train_rank(rank: int, world_size: int, port: int, job: TrainJob) -> None:
+    from moe.distributed import init_process_group
+
+    ctx = init_process_group(rank, world_size, "127.0.0.1", port)
+    try:
+        train(job, ctx)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_training(job: TrainJob, world_size: int) -> None:
+    if world_size == 1:
+        train(job, single_process())
+        return
+    from moe.launcher import run_ranks
+
+    run_ranks(train_rank, world_size, job)

@@ -1,0 +1,128 @@
+"""Speed against Hugging Face transformers and against the machine's memory bandwidth.
+
+    python scripts/bench.py --size small --threads 2 --gpus 4 --json bench.json
+    python scripts/bench.py --size medium --dtype bfloat16
+
+Builds a random checkpoint of the named size (kept in --workdir), then measures, each case in a fresh
+process on the same weights and thread count: this project on 1 rank and on --gpus ranks, and
+transformers' MixtralForCausalLM (when installed). Figures are medians over --repeats runs. Decode is also
+given as a fraction of the bandwidth bound: weight bytes a decode step must read / step time / measured
+copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moe.bench_models import SIZES, write_sized_checkpoint  # noqa: E402
+from moe.benchmark import (  # noqa: E402
+    NEW_TOKENS,
+    PREFILL,
+    checkpoint_config,
+    decode_bytes_per_token,
+    memory_bandwidth,
+)
+
+ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def run_case(args: argparse.Namespace, impl: str, gpus: int, path: Path) -> dict | None:
+    cmd = [sys.executable, __file__, "--case", impl, "--ckpt", str(path), "--gpus", str(gpus),
+           "--dtype", args.dtype, "--threads", str(args.threads), "--repeats", str(args.repeats)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"  {impl} on {gpus} rank(s) failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def case_main(args: argparse.Namespace) -> None:
+    from moe.benchmark import ours, transformers_case
+
+    if args.case == "ours":
+        result = ours(args.ckpt, args.gpus, args.dtype, args.threads, args.repeats)
+    else:
+        result = transformers_case(args.ckpt, args.dtype, args.threads, args.repeats)
+    print(json.dumps(result))
+
+
+def main(args: argparse.Namespace) -> None:
+    path = args.ckpt
+    if path is None:
+        path = args.workdir / args.size
+        if not (path / "config.json").exists():
+            print(f"writing a random {args.size} checkpoint to {path} ...")
+            write_sized_checkpoint(path, args.size)
+    cfg = checkpoint_config(path)
+    bandwidth = memory_bandwidth(args.threads)
+    step_bytes = decode_bytes_per_token(cfg, ELEMENT_SIZE[args.dtype])
+    bound = bandwidth * 1e9 / step_bytes
+    print(f"machine: {platform.processor() or platform.machine()}, {args.threads} thread(s); copy bandwidth "
+          f"{bandwidth:.1f} GB/s")
+    print(f"model: {path.name}, dim {cfg.dim}, {cfg.n_layers} blocks, {cfg.n_experts} experts top-{cfg.top_k}, "
+          f"{args.dtype}; a decode step reads {step_bytes / 1e6:.0f} MB -> bound {bound:.1f} tokens/s at batch 1")
+    try:
+        import transformers  # noqa: F401
+        impls = [("ours", 1), ("ours", args.gpus), ("transformers", 1)]
+    except ImportError:
+        impls = [("ours", 1), ("ours", args.gpus)]
+        print("transformers is not installed: measuring this project only (pip install -e '.[bench]')")
+    rows = {}
+    for impl, gpus in impls:
+        if gpus == 1 or impl == "ours":
+            r = run_case(args, impl, gpus, path)
+            if r is not None:
+                rows[f"{impl} x{gpus}"] = r
+    header = (f"{'case':>16} {'load s':>7} {'prefill tok/s':>13} {'TTFT ms':>8} {'decode b1 tok/s':>15} "
+              f"{'% of bound':>10} {'decode b8 tok/s':>15} {'peak RSS MiB':>14}")
+    print(header)
+    for name, r in rows.items():
+        b1 = 1 / r["decode1_step_s"]
+        print(f"{name:>16} {r['load_s']:>7.2f} {PREFILL / r['prefill_s']:>13.0f} {r['ttft_s'] * 1e3:>8.0f} "
+              f"{b1:>15.1f} {100 * b1 / bound:>9.0f}% {8 / r['decode8_step_s']:>15.1f} "
+              f"{'/'.join(f'{m:.0f}' for m in r['peak_rss_mib']):>14}")
+    one, many = rows.get("ours x1"), rows.get(f"ours x{args.gpus}")
+    if one and many and args.gpus > 1:
+        rows_per_token = many["rows_per_block_per_token"]
+        print(f"{args.gpus} ranks: decode step {many['decode1_step_s'] * 1e3:.1f} ms = "
+              f"{many['decode1_step_s'] / one['decode1_step_s']:.2f} x the 1-rank step; rows exchanged per block "
+              f"and token: {', '.join(f'{x:.2f}' for x in rows_per_token)} (k = {cfg.top_k}), i.e. "
+              f"{cfg.top_k} x {cfg.dim} values each way")
+    if "transformers x1" in rows and one:
+        hf = rows["transformers x1"]
+        print(f"vs transformers: decode b1 {hf['decode1_step_s'] / one['decode1_step_s']:.2f}x, decode b8 "
+              f"{hf['decode8_step_s'] / one['decode8_step_s']:.2f}x, prefill {hf['prefill_s'] / one['prefill_s']:.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps({"size": args.size, "dtype": args.dtype, "threads": args.threads,
+                                         "bandwidth_gbs": bandwidth, "decode_bytes": step_bytes,
+                                         "new_tokens": NEW_TOKENS, "prefill_tokens": PREFILL, "cases": rows},
+                                        indent=1) + "\n")
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=sorted(SIZES), default="small")
+    ap.add_argument("--ckpt", type=Path, default=None, help="use this checkpoint instead of a sized random one")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/moe-bench"), help="where sized checkpoints are kept")
+    ap.add_argument("--dtype", choices=sorted(ELEMENT_SIZE), default="float32")
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads (per rank for N ranks: --threads/N)")
+    ap.add_argument("--gpus", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--case", choices=["ours", "transformers"], help=argparse.SUPPRESS)
+    return ap.parse_args()
+
+
+if __name__ == "__main__":
+    parsed = parse_args()
+    if parsed.case:
+        case_main(parsed)
+    else:
+        main(parsed)

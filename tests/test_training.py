@@ -1,0 +1,90 @@
+"""The expert-parallel trainer: one step on 2 ranks equals the same step on 1 rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.config import ModelConfig
+from moe.distributed import init_process_group, single_process
+from moe.launcher import run_ranks
+from moe.placement import Placement
+from moe.training import (
+    TrainSettings,
+    clip_grads,
+    forward_backward,
+    init_model,
+    lr_at,
+    sample_batch,
+    shard_experts,
+    sync_dense_grads,
+)
+
+CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=48, vocab_size=101,
+                  n_experts=4, top_k=2, max_seq_len=64, rope_theta=10000.0)
+SETTINGS = TrainSettings(seq_len=12, batch_size=4, balance_coef=0.05, grad_clip=0.5, seed=3)
+
+
+def one_step(ctx) -> dict:
+    torch.manual_seed(0)
+    model = init_model(CFG, SETTINGS.seed)
+    if ctx.distributed:
+        shard_experts(model, Placement.default(CFG.n_layers, CFG.n_experts, ctx.world_size), ctx.rank)
+    model.train()
+    stream = torch.randint(0, CFG.vocab_size, (500,), generator=torch.Generator().manual_seed(1))
+    batch = sample_batch(stream, SETTINGS.batch_size, SETTINGS.seq_len, step=0, seed=SETTINGS.seed)
+    ce_sum, balance = forward_backward(model, batch, SETTINGS, ctx)
+    sync_dense_grads(model, ctx)
+    norm = clip_grads(model, SETTINGS.grad_clip, ctx)
+    stats = torch.stack([ce_sum.double(), balance.double()])
+    if ctx.distributed:
+        torch.distributed.all_reduce(stats)
+    experts = {n: m.expert_ids for n, m in model.named_modules() if hasattr(m, "expert_ids")}
+    return {"loss": float(stats[0]) / batch[:, 1:].numel(), "balance": float(stats[1]), "norm": norm,
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}, "experts": experts}
+
+
+def _rank_step(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    ctx = init_process_group(rank, world_size, "127.0.0.1", port)
+    torch.save(one_step(ctx), f"{out_dir}/rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_two_rank_step_matches_one_rank(tmp_path):
+    ref = one_step(single_process())
+    run_ranks(_rank_step, 2, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert ref["norm"] > SETTINGS.grad_clip  # clipping is exercised, with the same global norm
+    for got in ranks:
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+        assert got["balance"] == pytest.approx(ref["balance"], rel=1e-6)
+        assert got["norm"] == pytest.approx(ref["norm"], rel=1e-6)
+        for name, grad in got["grads"].items():
+            module = name.rsplit(".", 1)[0]
+            expected = ref["grads"][name]
+            if module in got["experts"]:  # this rank's slice of the stacked experts
+                expected = expected[got["experts"][module]]
+            torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-7, msg=name)
+    held = sorted(e for got in ranks for e in got["experts"]["layers.0.feed_forward.experts"])
+    assert held == list(range(CFG.n_experts))  # the experts really were split between the ranks
+
+
+def test_balance_loss_is_one_when_routing_is_uniform():
+    model = init_model(CFG, 0)
+    with torch.no_grad():
+        for block in model.layers.values():
+            block.feed_forward.gate.weight.zero_()  # equal logits: probabilities 1/E, top-k ties
+    model.train()
+    batch = sample_batch(torch.arange(400) % CFG.vocab_size, 4, 12, step=0, seed=0)
+    _, balance = forward_backward(model, batch, SETTINGS, single_process())
+    # With all logits equal, top-k picks the first k experts: f = 1/k for those, P = 1/E for all.
+    assert float(balance) == pytest.approx(CFG.n_experts * CFG.top_k * (1 / CFG.top_k) * (1 / CFG.n_experts))
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    s = TrainSettings(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_at(0, 100, s) == pytest.approx(0.1)
+    assert lr_at(9, 100, s) == pytest.approx(1.0)
+    assert lr_at(100, 100, s) == pytest.approx(0.1)
+    assert lr_at(55, 100, s) == pytest.approx(0.55)
