@@ -112,7 +112,7 @@ class MoEModel:
         eos = None if ignore_eos else eos
         on_token = None
         if streamer is not None and is_text:
-            decoders = [IncrementalDecoder(self.tokenizer) for _ in ids]
+            decoders = [IncrementalDecoder(self.tokenizer, p) for p in ids]
             def on_token(b: int, t: int) -> None:  # noqa: E306
                 piece = decoders[b].push(t)
                 if piece:
@@ -121,7 +121,9 @@ class MoEModel:
             on_token = streamer
         result = self.engine.generate(ids, params, eos, self.config.max_seq_len, on_token)
         self.last_result = result
-        return [self.tokenizer.decode(t) for t in result.tokens] if is_text else result.tokens
+        if not is_text:
+            return result.tokens
+        return [self.tokenizer.decode_continuation(p, t) for p, t in zip(ids, result.tokens, strict=True)]
 
     def save_pretrained(self, path: str | Path, max_shard_size: str | int | None = "200MB") -> list[dict]:
         """Write a Hugging Face directory (safetensors + index, config.json, tokenizer) from wherever the weights

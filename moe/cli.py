@@ -144,13 +144,13 @@ def _generate_torchrun(args: argparse.Namespace, prompts: list[str], seed: int, 
     if dist.rank == 0:
         print_settings(args, seed, str(engine.dtype).removeprefix("torch."), len(prompts))
     params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.top_k, seed)
-    decoder = IncrementalDecoder(tokenizer)
+    decoder = IncrementalDecoder(tokenizer, ids[0])
     say(prompts[0], end="", flush=True)
     on_token = (lambda b, t: say(decoder.push(t), end="", flush=True) if b == 0 else None)
     result = generate_tokens(engine, ids, params, tokenizer.eos_id, cfg.max_seq_len, on_token)
     say()
     for i, (p, t) in enumerate(zip(prompts[1:], result.tokens[1:], strict=True), 1):
-        say(f"[{i}] {p}{tokenizer.decode(t)}")
+        say(f"[{i}] {p}{tokenizer.decode_continuation(ids[i], t)}")
     peak = torch.tensor([peak_memory_mib(dist.device)], device=dist.device)
     gathered = [torch.zeros_like(peak) for _ in range(dist.world_size)]
     torch.distributed.all_gather(gathered, peak)

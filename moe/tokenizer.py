@@ -32,6 +32,11 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.sp.decode(ids)
 
+    def decode_continuation(self, prompt: list[int], new: list[int]) -> str:
+        """Text of `new` as it reads after `prompt`: SentencePiece drops a leading space at the start of a
+        decode, which would glue the first new word to the prompt's last one."""
+        return self.sp.decode(prompt + new)[len(self.sp.decode(prompt)):]
+
 
 def train_tokenizer(text_file: Path, vocab_size: int, out: Path) -> None:
     """A SentencePiece BPE model with byte fallback (any text encodes), ids 0/1/2 = unk/bos/eos."""
@@ -49,15 +54,16 @@ class IncrementalDecoder:
     """Turns a growing list of token ids into new text pieces.
 
     SentencePiece decodes a piece differently depending on its neighbours (leading spaces, byte-fallback
-    pieces of one UTF-8 character), so decode the whole tail and emit only what is new and complete.
+    pieces of one UTF-8 character), so decode the prompt and the whole tail and emit only what is new and
+    complete.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer, self.ids, self.emitted = tokenizer, [], ""
+    def __init__(self, tokenizer: Tokenizer, prompt: list[int] | None = None) -> None:
+        self.tokenizer, self.prompt, self.ids, self.emitted = tokenizer, list(prompt or []), [], ""
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
+        text = self.tokenizer.decode_continuation(self.prompt, self.ids)
         if text.endswith("\ufffd"):
             return ""  # an incomplete UTF-8 character; wait for its other bytes
         new, self.emitted = text[len(self.emitted):], text

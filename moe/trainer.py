@@ -133,6 +133,7 @@ def train(job: TrainJob, ctx: DistContext) -> dict:
     save_distributed(model, cfg, job.out, ctx, tokenizer=corpus / "tokenizer.model")
     summary = {"steps": step, "tokens_seen": step * s.batch_size * s.seq_len, "train_seconds": round(train_seconds),
                "ranks": ctx.world_size, "threads_per_rank": job.threads, "settings": asdict(s),
+               "train_tokens": train_stream.numel(), "eval_windows": len(step_windows),
                "val_nats_per_token": final.nats_per_token, "val_bits_per_byte": final.bits_per_byte,
                "history": history}
     if ctx.rank == 0:

@@ -13,7 +13,8 @@ from moe.checkpoint.formats import HF
 from moe.checkpoint.writer import save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = ROOT / "weights" / "tiny-random-mixtral"
+SHIPPED = ROOT / "weights" / "tiny-random-mixtral"  # random weights: fast, for mechanics
+TRAINED = ROOT / "weights" / "tiny-moe-austen-bbe"  # trained by scripts/train.py: the README's model
 
 
 def tiny_config(**overrides) -> ModelConfig:

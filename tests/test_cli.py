@@ -1,16 +1,30 @@
-"""The README's first command, on the shipped checkpoint."""
+"""The README's first command, on the shipped checkpoints."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
-from tests.checkpoints import ROOT, SHIPPED
+import pytest
+
+from tests.checkpoints import ROOT, SHIPPED, TRAINED
 
 
-def run_generate(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), "--ckpt", str(SHIPPED), *args],
+def run_generate(*args: str, ckpt=SHIPPED) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), "--ckpt", str(ckpt), *args],
                           capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.multiprocess
+def test_readme_first_command_on_four_ranks():
+    proc = run_generate("--gpus", "4", "--prompt", "It is a truth universally acknowledged, that",
+                        "--max-new-tokens", "24", "--seed", "0", ckpt=TRAINED)
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 0: loaded model-00001-of-00002.safetensors" in proc.stderr  # load progress, on stderr
+    text = proc.stdout.split("It is a truth universally acknowledged, that", 1)[1].split("\nload ")[0]
+    words = re.findall(r"[A-Za-z]+", text)
+    assert len(words) >= 10  # the trained model writes words, not byte soup
 
 
 def test_generate_prints_settings_text_and_summary():
