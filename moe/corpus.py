@@ -164,7 +164,7 @@ def write_documents(docs: list[Document], path: Path) -> None:
 def read_documents(path: Path) -> list[str]:
     """Documents of a corpus text file (separated by empty lines); a plain text file is one document per
     paragraph block, which is what evaluation wants too."""
-    return [d for d in path.read_text(encoding="utf-8").split("\n\n") if d.strip()]
+    return [d.strip("\n") for d in path.read_text(encoding="utf-8").split("\n\n") if d.strip()]
 
 
 def fetch_sources(cache: Path) -> tuple[Path, Path]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from moe import MoEModel
 from moe.checkpoint.files import HF_INDEX
 from moe.checkpoint.reshard import reshard
 from moe.placement import Placement
-from tests.checkpoints import hf_model, tiny_config, write_checkpoint
+from tests.checkpoints import ROOT, hf_model, tiny_config, write_checkpoint
 
 CFG = tiny_config(n_layers=3, n_experts=6, top_k=2)
 IDS = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(0))
@@ -52,6 +54,9 @@ def test_save_on_four_ranks_loads_on_one_and_three(source, tmp_path):
     assert torch.equal(MoEModel.from_pretrained(out)(IDS), want)
     with MoEModel.from_pretrained(out, gpus=3) as three:
         assert (three(IDS) - want).abs().max().item() < 1e-5
+    hf = pytest.importorskip("transformers").MixtralForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert (hf(IDS).logits - want).abs().max().item() < 1e-4
 
 
 def test_one_rank_save_loads_in_transformers(source, tmp_path):
@@ -82,6 +87,18 @@ def test_rank_aligned_shards_are_opened_only_by_their_rank(source, tmp_path):
         assert (model(IDS) - want).abs().max().item() < 1e-5
         for rank, opened in enumerate(model.info["files_read"]):
             assert opened and all(readers[f] == [rank] for f in opened)
+
+
+def test_shard_script_aligns_files_to_ranks(source, tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "shard.py"), "--ckpt", str(source[0]), "--out",
+                           str(tmp_path / "out"), "--max-shard-size", "60KB", "--gpus", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "read by rank 0" in proc.stdout and "read by rank 1" in proc.stdout
+    assert torch.equal(MoEModel.from_pretrained(tmp_path / "out")(IDS), source[1])
+    again = subprocess.run([sys.executable, str(ROOT / "scripts" / "shard.py"), "--ckpt", str(source[0]), "--out",
+                            str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "exists and is not empty" in again.stderr and "Traceback" not in again.stderr
 
 
 def test_shared_tensors_get_files_of_their_own(tmp_path):
