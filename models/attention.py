@@ -52,16 +52,22 @@ class AttentionContext:
     start: int  # first cache slot written by this call
     cos: torch.Tensor  # [B, 1, S, Dh]
     sin: torch.Tensor
-    mask: torch.Tensor  # [B, 1, S, start+S] bool, True = may attend
+    mask: torch.Tensor | None  # [B, 1, S, start+S] bool, True = may attend; None: see is_causal
+    is_causal: bool = False  # with mask None: causal (a prompt from slot 0) or, if False, every key visible
 
     @classmethod
     def build(cls, cfg: ModelConfig, batch: int, seq: int, start: int, pad_B: torch.Tensor | None,
               device: torch.device, dtype: torch.dtype) -> AttentionContext:
         q_slot = torch.arange(start, start + seq, device=device)  # [S]
         k_slot = torch.arange(start + seq, device=device)  # [L]
-        pad = torch.zeros(batch, dtype=torch.long, device=device) if pad_B is None else pad_B.to(device)
-        positions = (q_slot[None, :] - pad[:, None]).clamp(min=0)  # [B, S]
+        padded = pad_B is not None and int(pad_B.max()) > 0  # pad_B lives on the CPU: no device sync
+        pad = pad_B.to(device) if padded else torch.zeros(batch, dtype=torch.long, device=device)
+        positions = (q_slot[None, :] - pad[:, None]).clamp(min=0) if padded else q_slot[None, :].expand(batch, -1)
         cos, sin = rotary_tables(positions, cfg.head_dim, cfg.rope_theta, dtype)
+        window_cuts = cfg.sliding_window is not None and start + seq > cfg.sliding_window
+        if not padded and not window_cuts and (start == 0 or seq == 1):
+            # No explicit mask: SDPA's causal kernel skips the masked half of a prompt; one new token sees all.
+            return cls(start=start, cos=cos, sin=sin, mask=None, is_causal=start == 0 and seq > 1)
         causal = k_slot[None, :] <= q_slot[:, None]  # [S, L]
         if cfg.sliding_window is not None:
             causal &= k_slot[None, :] > q_slot[:, None] - cfg.sliding_window
@@ -108,6 +114,6 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
         if cache is not None:
             k, v = cache.update(ctx.start, k, v)  # [B, G, start+S, Dh]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask,
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, is_causal=ctx.is_causal,
                                              enable_gqa=self.n_heads != self.n_kv_heads)
         return self.wo(out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
+from models.cpu_threads import run_side_by_side
 
 
 class Router(nn.Module):
@@ -66,16 +67,24 @@ class GroupedExperts(nn.Module):
         counts = counts_El.tolist()
         # unbind: one view per expert, whose backward stacks the gradients once (indexing would zero-fill per expert)
         w1, w2, w3 = self.w1.unbind(0), self.w2.unbind(0), self.w3.unbind(0)
-        outs, start = [], 0
+        jobs, start = [], 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue  # an expert that got no token does not run
             rows = x_ND[start:start + n]
-            h = F.silu(rows @ w1[e].T) * (rows @ w3[e].T)
-            outs.append(h @ w2[e].T)
+            jobs.append(lambda rows=rows, e=e: swiglu(rows, w1[e], w2[e], w3[e]))
             start += n
+        outs = run_side_by_side(jobs)  # in decode on CPU, side by side on several threads (models.cpu_threads)
         # Concatenating (not writing into slices of a buffer) keeps the backward pass free of zero-filled copies.
         return torch.cat(outs) if outs else x_ND.new_empty((0, self.w2.shape[1]))
+
+
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """(silu(x w1^T) * x w3^T) w2^T; without autograd the activation is computed in place (fewer temporaries)."""
+    h = x @ w1.T
+    if torch.is_grad_enabled() and (x.requires_grad or w1.requires_grad):
+        return (F.silu(h) * (x @ w3.T)) @ w2.T
+    return F.silu(h, inplace=True).mul_(x @ w3.T) @ w2.T
 
 
 @dataclass

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -21,16 +22,30 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
+
 from moe.bench_models import SIZES, write_sized_checkpoint  # noqa: E402
 from moe.benchmark import (  # noqa: E402
     NEW_TOKENS,
     PREFILL,
     checkpoint_config,
     decode_bytes_per_token,
+    matmul_peak,
     memory_bandwidth,
+    prefill_flops_per_token,
 )
 
 ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores visible)"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def run_case(args: argparse.Namespace, impl: str, gpus: int, path: Path) -> dict | None:
@@ -62,12 +77,15 @@ def main(args: argparse.Namespace) -> None:
             write_sized_checkpoint(path, args.size)
     cfg = checkpoint_config(path)
     bandwidth = memory_bandwidth(args.threads)
+    peak = matmul_peak(args.threads, getattr(torch, args.dtype))
     step_bytes = decode_bytes_per_token(cfg, ELEMENT_SIZE[args.dtype])
     bound = bandwidth * 1e9 / step_bytes
-    print(f"machine: {platform.processor() or platform.machine()}, {args.threads} thread(s); copy bandwidth "
-          f"{bandwidth:.1f} GB/s")
+    prefill_bound = peak * 1e9 / prefill_flops_per_token(cfg, PREFILL)
+    print(f"machine: {cpu_name()}, {args.threads} thread(s); copy bandwidth {bandwidth:.1f} GB/s (bytes copied/s); "
+          f"{args.dtype} matmul {peak:.0f} GFLOP/s")
     print(f"model: {path.name}, dim {cfg.dim}, {cfg.n_layers} blocks, {cfg.n_experts} experts top-{cfg.top_k}, "
-          f"{args.dtype}; a decode step reads {step_bytes / 1e6:.0f} MB -> bound {bound:.1f} tokens/s at batch 1")
+          f"{args.dtype}; a decode step reads {step_bytes / 1e6:.0f} MB -> bound {bound:.1f} tokens/s at batch 1; "
+          f"prefill bound {prefill_bound:.0f} tokens/s")
     try:
         import transformers  # noqa: F401
         impls = [("ours", 1), ("ours", args.gpus), ("transformers", 1)]
@@ -80,13 +98,13 @@ def main(args: argparse.Namespace) -> None:
             r = run_case(args, impl, gpus, path)
             if r is not None:
                 rows[f"{impl} x{gpus}"] = r
-    header = (f"{'case':>16} {'load s':>7} {'prefill tok/s':>13} {'TTFT ms':>8} {'decode b1 tok/s':>15} "
-              f"{'% of bound':>10} {'decode b8 tok/s':>15} {'peak RSS MiB':>14}")
+    header = (f"{'case':>16} {'load s':>7} {'prefill tok/s':>13} {'% bound':>7} {'TTFT ms':>8} "
+              f"{'decode b1 tok/s':>15} {'% bound':>7} {'decode b8 tok/s':>15} {'peak RSS MiB':>14}")
     print(header)
     for name, r in rows.items():
-        b1 = 1 / r["decode1_step_s"]
-        print(f"{name:>16} {r['load_s']:>7.2f} {PREFILL / r['prefill_s']:>13.0f} {r['ttft_s'] * 1e3:>8.0f} "
-              f"{b1:>15.1f} {100 * b1 / bound:>9.0f}% {8 / r['decode8_step_s']:>15.1f} "
+        b1, pre = 1 / r["decode1_step_s"], PREFILL / r["prefill_s"]
+        print(f"{name:>16} {r['load_s']:>7.2f} {pre:>13.0f} {100 * pre / prefill_bound:>6.0f}% "
+              f"{r['ttft_s'] * 1e3:>8.0f} {b1:>15.1f} {100 * b1 / bound:>6.0f}% {8 / r['decode8_step_s']:>15.1f} "
               f"{'/'.join(f'{m:.0f}' for m in r['peak_rss_mib']):>14}")
     one, many = rows.get("ours x1"), rows.get(f"ours x{args.gpus}")
     if one and many and args.gpus > 1:
@@ -101,7 +119,8 @@ def main(args: argparse.Namespace) -> None:
               f"{hf['decode8_step_s'] / one['decode8_step_s']:.2f}x, prefill {hf['prefill_s'] / one['prefill_s']:.2f}x")
     if args.json:
         args.json.write_text(json.dumps({"size": args.size, "dtype": args.dtype, "threads": args.threads,
-                                         "bandwidth_gbs": bandwidth, "decode_bytes": step_bytes,
+                                         "cpu": cpu_name(), "bandwidth_gbs": bandwidth, "matmul_gflops": peak,
+                                         "decode_bytes": step_bytes,
                                          "new_tokens": NEW_TOKENS, "prefill_tokens": PREFILL, "cases": rows},
                                         indent=1) + "\n")
 
