@@ -62,17 +62,16 @@ def agree(value: float, ctx: DistContext) -> float:
 
 
 def validate(model, wins: list[torch.Tensor], ctx: DistContext, n_bytes_per_token: float) -> Score:
-    """Loss over validation windows; each rank scores its share, sums are all-reduced."""
+    """Loss over validation windows; rank r scores windows r, r+R, ...; sums are all-reduced."""
     model.eval()
-    mine = wins[ctx.rank::ctx.world_size]
-    # Every rank must run the same number of forward calls (each one exchanges expert rows).
-    per_rank = math.ceil(len(wins) / ctx.world_size)
-    mine = mine + [mine[0]] * (per_rank - len(mine)) if mine else mine
-    weights = [1.0] * len(wins[ctx.rank::ctx.world_size]) + [0.0] * (per_rank - len(wins[ctx.rank::ctx.world_size]))
     nats, tokens = 0.0, 0
-    for w, keep in zip(mine, weights, strict=True):
-        n, t = score_windows(model, [w], batch=1)
-        nats, tokens = nats + keep * n, tokens + int(keep) * t
+    for i in range(math.ceil(len(wins) / ctx.world_size)):
+        j = i * ctx.world_size + ctx.rank
+        # Every rank runs the same number of forward passes (each one exchanges expert rows): a rank out
+        # of windows scores the first one again and drops the result.
+        n, t = score_windows(model, [wins[j if j < len(wins) else 0]], batch=1)
+        if j < len(wins):
+            nats, tokens = nats + n, tokens + t
     total = torch.tensor([nats, tokens], dtype=torch.float64, device=ctx.device)
     if ctx.distributed:
         dist.all_reduce(total)
@@ -91,6 +90,7 @@ def train(job: TrainJob, ctx: DistContext) -> dict:
     s = job.settings
     cfg = ModelConfig(**job.model)
     model = init_model(cfg, s.seed)
+    n_params = sum(p.numel() for p in model.parameters())
     if ctx.distributed:
         shard_experts(model, Placement.default(cfg.n_layers, cfg.n_experts, ctx.world_size), ctx.rank)
     model.train()
@@ -98,7 +98,7 @@ def train(job: TrainJob, ctx: DistContext) -> dict:
     all_windows = windows(valid_stream, s.seq_len)
     step_windows = [w for w in all_windows if w.numel() == s.seq_len + 1][:job.eval_windows]
     say(ctx, f"train {train_stream.numel():,} tokens, valid {valid_stream.numel():,} tokens; "
-             f"{sum(p.numel() for p in init_model(cfg, s.seed).parameters()):,} parameters; "
+             f"{n_params:,} parameters; "
              f"{ctx.world_size} rank(s) x {job.threads} thread(s)")
 
     history: list[dict] = []

@@ -88,3 +88,36 @@ def test_schedule_warms_up_then_decays_to_the_floor():
     assert lr_at(9, 100, s) == pytest.approx(1.0)
     assert lr_at(100, 100, s) == pytest.approx(0.1)
     assert lr_at(55, 100, s) == pytest.approx(0.55)
+
+
+@pytest.mark.multiprocess
+def test_train_script_on_two_ranks_writes_a_loadable_checkpoint(tmp_path):
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from moe import MoEModel
+    from tests.checkpoints import ROOT, SHIPPED
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    text = "\n\n".join(f"And God said to chapter {i}, let there be light.\nAnd there was light." for i in range(60))
+    (corpus / "train.txt").write_text(text)
+    (corpus / "valid.txt").write_text(text[:400])
+    shutil.copyfile(SHIPPED / "tokenizer.model", corpus / "tokenizer.model")
+    out = tmp_path / "model"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "train.py"), "--corpus", str(corpus), "--out", str(out),
+         "--gpus", "2", "--steps", "4", "--eval-every", "2", "--dim", "32", "--layers", "2", "--heads", "2",
+         "--kv-heads", "1", "--hidden-dim", "32", "--experts", "4", "--seq-len", "16", "--batch-size", "4"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "validation (all" in proc.stdout
+    log = json.loads((out / "training_log.json").read_text())
+    assert log["steps"] == 4 and log["ranks"] == 2 and "val_loss" in log["history"][1]
+    model = MoEModel.from_pretrained(out)
+    assert model.config.n_experts == 4 and model.generate(["And God said"], max_new_tokens=3)
+    again = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "--corpus", str(corpus), "--out",
+                            str(out)], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "already exists" in again.stderr and "Traceback" not in again.stderr
