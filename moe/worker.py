@@ -76,8 +76,9 @@ def worker_main(rank: int, world_size: int, port: int, threads: int, conn, spec:
     torch.set_num_threads(threads)
     try:
         dist = init_process_group(rank, world_size, "127.0.0.1", port)
-        if dist.device.type == "cpu" and world_size > 1:
-            os.sched_setaffinity(0, cpu_share(rank, world_size))
+        share = cpu_share(rank, world_size)
+        if dist.device.type == "cpu" and world_size > 1 and threads <= len(share):
+            os.sched_setaffinity(0, share)  # not when asked for more threads than cores: they would spin-wait
         baseline = peak_memory_mib(dist.device)  # the process before any weight is read
         engine, stats = load_shard(spec, dist)
         conn.send(("ok", {"rank": rank, "params": sorted(engine.model.state_dict()), **stats,
