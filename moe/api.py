@@ -48,13 +48,14 @@ class MoEModel:
     def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype | None = None, device: str = "cpu",
                         gpus: int = 1, placement: Placement | str | Path | dict | None = None,
                         blocks_per_rank: list[int] | None = None, master_port: int | None = None,
-                        threads: int | None = None, progress: bool = False) -> MoEModel:
+                        threads: int | None = None, progress: bool = False, attention: str = "owner") -> MoEModel:
         """Load a Hugging Face or Mistral consolidated directory.
 
         With `gpus=N > 1`, N ranks (one GPU each, or CPU processes over gloo without CUDA) share the model
         under `placement` (default: contiguous block ranges, experts of every block spread over all ranks);
         the ranks stop on `close()`, at the end of a `with` block, or at interpreter exit. `progress` prints
-        a line per checkpoint file as rank 0 reads it (to stderr).
+        a line per checkpoint file as rank 0 reads it (to stderr). `attention="replicated"` gives every rank the
+        dense weights and its own slice of the batch (for throughput on batches); the experts stay placed.
         """
         ckpt = detect(path)
         cfg = ckpt.config
@@ -68,9 +69,9 @@ class MoEModel:
             model, _, stats = build_model(path, torch_dtype, device, progress=print_progress if progress else None)
             return cls(LocalEngine(model), cfg, tokenizer, info | stats | {"backend": "none", "ranks": 1})
         plan = resolve_placement(placement, cfg.n_layers, cfg.n_experts, gpus, blocks_per_rank)
-        group = WorkerGroup(gpus, spec_for(path, info["dtype"], plan, progress), master_port, threads)
+        group = WorkerGroup(gpus, spec_for(path, info["dtype"], plan, progress, attention), master_port, threads)
         ready = group.ready
-        info |= {"backend": ready[0]["backend"], "ranks": gpus, "placement": plan,
+        info |= {"backend": ready[0]["backend"], "ranks": gpus, "placement": plan, "attention": attention,
                  "load_seconds": max(r["load_seconds"] for r in ready),
                  "bytes_read": [r["bytes_read"] for r in ready], "files_read": [r["files_read"] for r in ready],
                  "rank_params": [r["params"] for r in ready]}

@@ -7,6 +7,7 @@ load seconds, prefill tokens/s (batch 1 x 512), time to first token, decode toke
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 import time
 from pathlib import Path
@@ -71,25 +72,31 @@ def decode_bytes_per_token(cfg: ModelConfig, element_size: int) -> int:
     return (cfg.n_layers * per_block + D + cfg.vocab_size * D + D) * element_size  # + one embedding row
 
 
-def ours(path: str, gpus: int, dtype: str, threads: int, repeats: int) -> dict:
+def ours(path: str, gpus: int, dtype: str, threads: int, repeats: int, attention: str = "owner") -> dict:
     from moe import MoEModel
 
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     # N ranks share the same cores: each gets threads / N.
-    model = MoEModel.from_pretrained(path, dtype=dtype, gpus=gpus, threads=max(1, threads // gpus))
+    model = MoEModel.from_pretrained(path, dtype=dtype, gpus=gpus, threads=max(1, threads // gpus),
+                                     attention=attention)
     load = time.perf_counter() - t0
     V = model.config.vocab_size
     with model:
         model.generate(prompts(1, 16, V), max_new_tokens=4, ignore_eos=True)  # warm-up
-        prefill, decode1, decode8 = [], [], []
+        prefill, decode1, decode8, decode32, tokens8 = [], [], [], [], None
         for r in range(repeats):
             model.generate(prompts(1, PREFILL, V, r), max_new_tokens=1, ignore_eos=True)
             prefill.append(model.last_result.prefill_seconds)
             model.generate(prompts(1, DECODE_PROMPT, V, r), max_new_tokens=NEW_TOKENS, ignore_eos=True)
             decode1.append(model.last_result.decode_seconds / (NEW_TOKENS - 1))
-            model.generate(prompts(8, DECODE_PROMPT, V, r), max_new_tokens=NEW_TOKENS, ignore_eos=True)
+            out = model.generate(prompts(8, DECODE_PROMPT, V, r), max_new_tokens=NEW_TOKENS, ignore_eos=True)
             decode8.append(model.last_result.decode_seconds / (NEW_TOKENS - 1))
+            # The first batch-8 run's greedy tokens, to compare schedules across processes.
+            tokens8 = tokens8 or hashlib.sha1(str(out).encode()).hexdigest()
+            if gpus > 1:
+                model.generate(prompts(32, DECODE_PROMPT, V, r), max_new_tokens=NEW_TOKENS, ignore_eos=True)
+                decode32.append(model.last_result.decode_seconds / (NEW_TOKENS - 1))
         model.reset_expert_load()
         model.generate(prompts(1, DECODE_PROMPT, V), max_new_tokens=NEW_TOKENS, ignore_eos=True)
         received = model.expert_load().rank_load().sum(dim=1)  # rows each block's experts computed
@@ -97,6 +104,7 @@ def ours(path: str, gpus: int, dtype: str, threads: int, repeats: int) -> dict:
     routed_per_token = (received / (DECODE_PROMPT + NEW_TOKENS - 1)).tolist()
     return {"load_s": load, "prefill_s": statistics.median(prefill), "ttft_s": statistics.median(prefill),
             "decode1_step_s": statistics.median(decode1), "decode8_step_s": statistics.median(decode8),
+            "decode32_step_s": statistics.median(decode32) if decode32 else None, "tokens8_hash": tokens8,
             "peak_rss_mib": peak, "rows_per_block_per_token": routed_per_token}
 
 

@@ -79,13 +79,17 @@ def _generate(args: argparse.Namespace) -> int:
         plan = resolve_placement(args.placement, cfg.n_layers, cfg.n_experts, args.gpus,
                                  parse_blocks_per_rank(args.blocks_per_rank))
         print(plan.table())
+        if args.attention == "replicated":
+            print("attention replicated: every rank holds the embedding, all blocks' attention and the head, "
+                  "and runs its slice of the batch; experts as above")
         if pick_backend(args.gpus)[0] == "gloo":
             threads = args.threads or cpu_threads_per_rank(args.gpus)
             print(f"no {args.gpus} CUDA devices: running {args.gpus} ranks as CPU processes over gloo, "
                   f"{threads} thread(s) each")
     t0 = time.perf_counter()
     model = MoEModel.from_pretrained(args.ckpt, dtype=args.dtype, gpus=args.gpus, placement=plan,
-                                     master_port=args.master_port, threads=args.threads, progress=True)
+                                     master_port=args.master_port, threads=args.threads, progress=True,
+                                     attention=args.attention)
     load_s = time.perf_counter() - t0
     with model:
         print(f"model: {args.ckpt} ({model.info['format']}), {cfg.n_layers} blocks, "
@@ -136,7 +140,7 @@ def _generate_torchrun(args: argparse.Namespace, prompts: list[str], seed: int, 
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    engine, _ = load_shard(spec_for(args.ckpt, args.dtype, plan, progress=True), dist)
+    engine, _ = load_shard(spec_for(args.ckpt, args.dtype, plan, progress=True, attention=args.attention), dist)
     load_s = time.perf_counter() - t0
     tokenizer = Tokenizer(Path(args.ckpt) / "tokenizer.model")
     ids = [tokenizer.encode(p) for p in prompts]

@@ -18,7 +18,7 @@ class RemoteEngine:
         return self.group.call("generate", ids, params, eos, context, on_token=on_token)[0]
 
     def logits(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        return self.group.call("logits", tokens_BS)[self.placement.head_rank]
+        return next(r for r in self.group.call("logits", tokens_BS) if r is not None)  # the head's rank answers
 
     def load_stats_per_rank(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Every rank's copy of the gathered counters (they agree: each rank all-reduced them)."""

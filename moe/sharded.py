@@ -23,7 +23,6 @@ from moe.placement import Placement
 
 
 def apply_placement(model: Transformer, placement: Placement, rank: int) -> None:
-    cfg = model.cfg
     if rank != placement.embed_rank:
         model.tok_embeddings = None
     if rank != placement.head_rank:
@@ -33,11 +32,25 @@ def apply_placement(model: Transformer, placement: Placement, rank: int) -> None
         if placement.block_ranks[i] != rank:
             block.attention_norm = block.attention = block.ffn_norm = None
             block.feed_forward.gate = None
+    apply_expert_placement(model, placement, rank)
+
+
+def apply_expert_placement(model: Transformer, placement: Placement, rank: int) -> None:
+    """Keep only this rank's experts of every block and route through the all-to-all dispatcher."""
+    cfg = model.cfg
+    for name, block in model.layers.items():
+        i = int(name)
         ffn = block.feed_forward
         with torch.device("meta"):
             ffn.experts = GroupedExperts(cfg.dim, cfg.hidden_dim, placement.local_experts(i, rank))
         ffn.dispatcher = AllToAllDispatcher(SlotTable(placement.expert_ranks[i], placement.world_size),
                                             placement.world_size)
+
+
+def take_part_without_rows(ffn, cfg, device: torch.device, dtype: torch.dtype) -> None:
+    """Enter a block's exchanges with no token of our own (every rank enters every collective)."""
+    ffn.dispatcher(torch.empty(0, cfg.dim, dtype=dtype, device=device), torch.empty(0, cfg.top_k, device=device),
+                   torch.empty(0, cfg.top_k, dtype=torch.long, device=device), ffn.experts, ffn.n_experts)
 
 
 class ShardedEngine:
@@ -49,8 +62,13 @@ class ShardedEngine:
         self.caches: dict[str, KVCache] = {}
 
     @property
+    def head_rank(self) -> int:
+        """The rank that gets the logits, samples and broadcasts the next tokens."""
+        return self.placement.head_rank
+
+    @property
     def holds_head(self) -> bool:
-        return self.rank == self.placement.head_rank
+        return self.rank == self.head_rank
 
     def start(self, batch: int, length: int) -> None:
         cfg = self.model.cfg
@@ -80,9 +98,6 @@ class ShardedEngine:
         ctx = AttentionContext.build(cfg, B, S, start, pad_B, device, self.dtype) if p.blocks_of(self.rank) else None
         rows = real_token_rows(pad_B, S, start, device)
         holder = p.embed_rank
-        empty_x = torch.empty(0, cfg.dim, dtype=self.dtype, device=device)
-        empty_w = torch.empty(0, cfg.top_k, device=device)
-        empty_ids = torch.empty(0, cfg.top_k, dtype=torch.long, device=device)
         for name, block in self.model.layers.items():
             owner = p.block_ranks[int(name)]
             h = self._move(h, holder, owner, shape)
@@ -92,7 +107,7 @@ class ShardedEngine:
                 h = block.attend(h, ctx, caches[name] if caches is not None else None)
                 h = add_feed_forward(h, block.ffn_norm(h), rows, lambda x, f=ffn: f(x, decoding=start > 0))
             else:  # not the owner: still take part in this block's exchanges, with no rows of our own
-                ffn.dispatcher(empty_x, empty_w, empty_ids, ffn.experts, ffn.n_experts)
+                take_part_without_rows(ffn, cfg, device, self.dtype)
         h = self._move(h, holder, p.head_rank, shape)
         if not self.holds_head:
             return None
@@ -109,7 +124,7 @@ class ShardedEngine:
     def share(self, tokens_B: torch.Tensor) -> torch.Tensor:
         """The head's rank decided the next tokens; every rank gets them (and so takes the same decisions)."""
         t = tokens_B.to(self.dist.device)
-        return self.dist.broadcast(t, self.placement.head_rank).cpu()
+        return self.dist.broadcast(t, self.head_rank).cpu()
 
     def logits(self, tokens_BS: torch.Tensor) -> torch.Tensor | None:
         return self.hidden_to_logits(tokens_BS, 0, None, None, last_only=False)

@@ -27,7 +27,8 @@ from moe.generation import generate_tokens
 from moe.load_stats import set_round_robin
 from moe.memory import peak_memory_mib
 from moe.placement import Placement, PlacementError
-from moe.sharded import ShardedEngine, apply_placement
+from moe.replicated import ReplicatedAttentionEngine
+from moe.sharded import ShardedEngine, apply_expert_placement, apply_placement
 
 USER_ERRORS = (CheckpointError, PlacementError, ConfigError, ValueError)
 
@@ -38,12 +39,17 @@ class ShardSpec:
     dtype: str | None
     placement: dict  # Placement.to_json(), already validated by the parent
     progress: bool = False  # rank 0 prints a line per checkpoint file it has read
+    attention: str = "owner"  # "owner": layer placement; "replicated": every rank attends for its batch slice
 
 
 def load_shard(spec: ShardSpec, dist: DistContext) -> tuple[ShardedEngine, dict]:
     placement = Placement.from_json(spec.placement)
     torch_dtype = parse_dtype(spec.dtype, detect(spec.path).torch_dtype)
     progress = print_progress if spec.progress and dist.rank == 0 else None
+    if spec.attention == "replicated":
+        model, _, stats = build_model(spec.path, torch_dtype, dist.device, progress=progress,
+                                      prune=lambda m: apply_expert_placement(m, placement, dist.rank))
+        return ReplicatedAttentionEngine(model, placement, dist, torch_dtype), stats
     model, _, stats = build_model(spec.path, torch_dtype, dist.device,
                                   prune=lambda m: apply_placement(m, placement, dist.rank), progress=progress)
     return ShardedEngine(model, placement, dist, torch_dtype), stats
@@ -135,5 +141,11 @@ def serve(engine: ShardedEngine, conn) -> None:
             raise ValueError(f"unknown request {op!r}")
 
 
-def spec_for(path: str | Path, dtype: str | None, placement: Placement, progress: bool = False) -> ShardSpec:
-    return ShardSpec(str(path), dtype, placement.to_json(), progress)
+ATTENTION_MODES = ("owner", "replicated")
+
+
+def spec_for(path: str | Path, dtype: str | None, placement: Placement, progress: bool = False,
+             attention: str = "owner") -> ShardSpec:
+    if attention not in ATTENTION_MODES:
+        raise ValueError(f"attention={attention!r}: use one of {', '.join(ATTENTION_MODES)}")
+    return ShardSpec(str(path), dtype, placement.to_json(), progress, attention)

@@ -61,8 +61,9 @@ def run_case(args: argparse.Namespace, impl: str, gpus: int, path: Path) -> dict
 def case_main(args: argparse.Namespace) -> None:
     from moe.benchmark import ours, transformers_case
 
-    if args.case == "ours":
-        result = ours(args.ckpt, args.gpus, args.dtype, args.threads, args.repeats)
+    if args.case in ("ours", "ours-replicated"):
+        attention = "replicated" if args.case == "ours-replicated" else "owner"
+        result = ours(args.ckpt, args.gpus, args.dtype, args.threads, args.repeats, attention)
     else:
         result = transformers_case(args.ckpt, args.dtype, args.threads, args.repeats)
     print(json.dumps(result))
@@ -88,22 +89,22 @@ def main(args: argparse.Namespace) -> None:
           f"prefill bound {prefill_bound:.0f} tokens/s")
     try:
         import transformers  # noqa: F401
-        impls = [("ours", 1), ("ours", args.gpus), ("transformers", 1)]
+        impls = [("ours", 1), ("ours", args.gpus), ("ours-replicated", args.gpus), ("transformers", 1)]
     except ImportError:
-        impls = [("ours", 1), ("ours", args.gpus)]
+        impls = [("ours", 1), ("ours", args.gpus), ("ours-replicated", args.gpus)]
         print("transformers is not installed: measuring this project only (pip install -e '.[bench]')")
     rows = {}
     for impl, gpus in impls:
-        if gpus == 1 or impl == "ours":
+        if gpus == 1 or impl.startswith("ours"):
             r = run_case(args, impl, gpus, path)
             if r is not None:
                 rows[f"{impl} x{gpus}"] = r
-    header = (f"{'case':>16} {'load s':>7} {'prefill tok/s':>13} {'% bound':>7} {'TTFT ms':>8} "
+    header = (f"{'case':>19} {'load s':>7} {'prefill tok/s':>13} {'% bound':>7} {'TTFT ms':>8} "
               f"{'decode b1 tok/s':>15} {'% bound':>7} {'decode b8 tok/s':>15} {'peak RSS MiB':>14}")
     print(header)
     for name, r in rows.items():
         b1, pre = 1 / r["decode1_step_s"], PREFILL / r["prefill_s"]
-        print(f"{name:>16} {r['load_s']:>7.2f} {pre:>13.0f} {100 * pre / prefill_bound:>6.0f}% "
+        print(f"{name:>19} {r['load_s']:>7.2f} {pre:>13.0f} {100 * pre / prefill_bound:>6.0f}% "
               f"{r['ttft_s'] * 1e3:>8.0f} {b1:>15.1f} {100 * b1 / bound:>6.0f}% {8 / r['decode8_step_s']:>15.1f} "
               f"{'/'.join(f'{m:.0f}' for m in r['peak_rss_mib']):>14}")
     one, many = rows.get("ours x1"), rows.get(f"ours x{args.gpus}")
@@ -113,6 +114,12 @@ def main(args: argparse.Namespace) -> None:
               f"{many['decode1_step_s'] / one['decode1_step_s']:.2f} x the 1-rank step; rows exchanged per block "
               f"and token: {', '.join(f'{x:.2f}' for x in rows_per_token)} (k = {cfg.top_k}), i.e. "
               f"{cfg.top_k} x {cfg.dim} values each way")
+    plain, replicated = many, rows.get(f"ours-replicated x{args.gpus}")
+    if plain and replicated and args.gpus > 1:
+        print(f"{args.gpus} ranks, batches: plain (layer placement) {8 / plain['decode8_step_s']:.1f} / "
+              f"{32 / plain['decode32_step_s']:.1f} tok/s at batch 8 / 32; replicated attention "
+              f"{8 / replicated['decode8_step_s']:.1f} / {32 / replicated['decode32_step_s']:.1f} tok/s; greedy "
+              f"tokens {'identical' if plain['tokens8_hash'] == replicated['tokens8_hash'] else 'DIFFERENT'}")
     if "transformers x1" in rows and one:
         hf = rows["transformers x1"]
         print(f"vs transformers: decode b1 {hf['decode1_step_s'] / one['decode1_step_s']:.2f}x, decode b8 "
@@ -135,7 +142,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--gpus", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--case", choices=["ours", "transformers"], help=argparse.SUPPRESS)
+    ap.add_argument("--case", choices=["ours", "ours-replicated", "transformers"], help=argparse.SUPPRESS)
     return ap.parse_args()
 
 

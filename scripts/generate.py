@@ -33,6 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="placement plan JSON (owner rank of embedding, blocks, head; ranks of every expert)")
     ap.add_argument("--blocks-per-rank", default=None,
                     help="comma-separated block counts per rank, e.g. 3,2,2,1 (default: balanced ranges)")
+    ap.add_argument("--attention", choices=["owner", "replicated"], default="owner",
+                    help="owner: each block's attention on one rank (layer placement, default); replicated: every "
+                         "rank holds the dense weights and runs its slice of the batch (throughput on batches)")
     ap.add_argument("--expert-load", default=None, metavar="DIR",
                     help="after generating, write an expert-load report (JSON, CSV, PNG) to DIR")
     ap.add_argument("--master-port", type=int, default=None,

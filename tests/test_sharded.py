@@ -42,6 +42,14 @@ def test_n_ranks_give_the_one_rank_answer(reference, gpus):
     check_same_as_one_rank(reference, gpus=gpus)
 
 
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_replicated_attention_gives_the_one_rank_answer(reference, gpus):
+    # 3 prompts over 4 ranks: one rank has no sequence and still takes part in every exchange.
+    model = check_same_as_one_rank(reference, gpus=gpus, attention="replicated")
+    names = set(model.info["rank_params"][gpus - 1])
+    assert {"tok_embeddings.weight", "output.weight", "layers.0.attention.wq.weight"} <= names  # dense on every rank
+
+
 def test_non_default_placement_gives_the_one_rank_answer(reference, tmp_path):
     cfg = SHAPES["5blocks-8experts"] if "5blocks" in str(reference[0]) else SHAPES["2blocks-6experts-tied"]
     L, E = cfg.n_layers, cfg.n_experts
