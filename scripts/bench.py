@@ -34,6 +34,7 @@ from moe.benchmark import (  # noqa: E402
     memory_bandwidth,
     prefill_flops_per_token,
 )
+from moe.cli import run_command  # noqa: E402
 
 ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -69,7 +70,7 @@ def case_main(args: argparse.Namespace) -> None:
     print(json.dumps(result))
 
 
-def main(args: argparse.Namespace) -> None:
+def main(args: argparse.Namespace) -> int:
     path = args.ckpt
     if path is None:
         path = args.workdir / args.size
@@ -130,6 +131,7 @@ def main(args: argparse.Namespace) -> None:
                                          "decode_bytes": step_bytes,
                                          "new_tokens": NEW_TOKENS, "prefill_tokens": PREFILL, "cases": rows},
                                         indent=1) + "\n")
+    return 0
 
 
 def parse_args() -> argparse.Namespace:
@@ -151,4 +153,4 @@ if __name__ == "__main__":
     if parsed.case:
         case_main(parsed)
     else:
-        main(parsed)
+        sys.exit(run_command(main, parsed))

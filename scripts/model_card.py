@@ -75,6 +75,11 @@ def main() -> int:
     ap.add_argument("--gpus", type=int, default=4, help="ranks for the expert-load run and the samples")
     ap.add_argument("--load-windows", type=int, default=32, help="held-out windows of 256 tokens for the load run")
     args = ap.parse_args()
+    for needed in (args.ckpt / "training_log.json", args.ckpt / "config.json", args.corpus / "valid.txt"):
+        if not needed.is_file():
+            print(f"error: {needed}: not found (a checkpoint written by scripts/train.py and its --corpus)",
+                  file=sys.stderr)
+            return 2
     log = json.loads((args.ckpt / "training_log.json").read_text())
     cfg = json.loads((args.ckpt / "config.json").read_text())
     draw_loss_curve(log, args.ckpt / "loss_curve.png")
