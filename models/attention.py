@@ -111,7 +111,7 @@ class Attention(nn.Module):
         q = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, S, Dh]
         k = self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, G, S, Dh]
         v = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
+        q, k = apply_rotary(torch.cat((q, k), dim=1), ctx.cos, ctx.sin).split((self.n_heads, self.n_kv_heads), dim=1)
         if cache is not None:
             k, v = cache.update(ctx.start, k, v)  # [B, G, start+S, Dh]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, is_causal=ctx.is_causal,

@@ -65,8 +65,11 @@ class GroupedExperts(nn.Module):
         """x_ND holds counts_El[0] copies for stacked expert 0, then counts_El[1] for expert 1, ..."""
         # One host sync per layer: the split sizes decide which experts run and on which rows.
         counts = counts_El.tolist()
-        # unbind: one view per expert, whose backward stacks the gradients once (indexing would zero-fill per expert)
-        w1, w2, w3 = self.w1.unbind(0), self.w2.unbind(0), self.w3.unbind(0)
+        if torch.is_grad_enabled() and self.w1.requires_grad:
+            # unbind: one view per expert, whose backward stacks the gradients once (indexing would zero-fill)
+            w1, w2, w3 = self.w1.unbind(0), self.w2.unbind(0), self.w3.unbind(0)
+        else:
+            w1, w2, w3 = self.w1, self.w2, self.w3  # index only the experts that run
         jobs, start = [], 0
         for e, n in enumerate(counts):
             if n == 0:
