@@ -59,7 +59,6 @@ class AttentionContext:
     def build(cls, cfg: ModelConfig, batch: int, seq: int, start: int, pad_B: torch.Tensor | None,
               device: torch.device, dtype: torch.dtype) -> AttentionContext:
         q_slot = torch.arange(start, start + seq, device=device)  # [S]
-        k_slot = torch.arange(start + seq, device=device)  # [L]
         padded = pad_B is not None and int(pad_B.max()) > 0  # pad_B lives on the CPU: no device sync
         pad = pad_B.to(device) if padded else torch.zeros(batch, dtype=torch.long, device=device)
         positions = (q_slot[None, :] - pad[:, None]).clamp(min=0) if padded else q_slot[None, :].expand(batch, -1)
@@ -68,6 +67,7 @@ class AttentionContext:
         if not padded and not window_cuts and (start == 0 or seq == 1):
             # No explicit mask: SDPA's causal kernel skips the masked half of a prompt; one new token sees all.
             return cls(start=start, cos=cos, sin=sin, mask=None, is_causal=start == 0 and seq > 1)
+        k_slot = torch.arange(start + seq, device=device)  # [L]
         causal = k_slot[None, :] <= q_slot[:, None]  # [S, L]
         if cfg.sliding_window is not None:
             causal &= k_slot[None, :] > q_slot[:, None] - cfg.sliding_window

@@ -13,7 +13,6 @@ import torch
 
 from models.config import ModelConfig
 from moe.build import build_model
-from moe.checkpoint.files import CheckpointError
 from moe.checkpoint.formats import detect
 from moe.checkpoint.loader import parse_dtype
 from moe.generation import SamplingParams, check_prompts
@@ -131,10 +130,10 @@ class MoEModel:
         are: each rank writes the tensors it holds, nothing is gathered. Atomic: the directory appears complete
         or not at all. Returns, per rank, the files it wrote and their bytes."""
         from moe.checkpoint.convert import parse_size
+        from moe.checkpoint.writer import refuse_non_empty
 
         path = Path(path)
-        if path.exists() and (not path.is_dir() or any(path.iterdir())):
-            raise CheckpointError(f"{path}: output directory exists and is not empty")
+        refuse_non_empty(path)  # here, before the ranks start writing: a user error must not stop them
         size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
         tokenizer = str(self._tokenizer.path) if self._tokenizer is not None else None
         return self.engine.save(str(path.resolve()), size, tokenizer)

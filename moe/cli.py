@@ -67,11 +67,10 @@ def generate_main(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     prompts = read_prompts(args)
     seed = args.seed if args.seed is not None else random.randrange(2**31)
-    ckpt = detect(args.ckpt)
-    cfg = ckpt.config
+    cfg = detect(args.ckpt).config
     dist = from_torchrun()
     if dist is not None:
-        return _generate_torchrun(args, prompts, seed, dist)
+        return _generate_torchrun(args, prompts, seed, cfg, dist)
     if args.threads:
         torch.set_num_threads(args.threads)
     plan = None
@@ -127,12 +126,11 @@ def summary(load_s: float, r: GenerationResult, n_prompts: int, peak_mib: list[f
             f" | {label} {peak} MiB")
 
 
-def _generate_torchrun(args: argparse.Namespace, prompts: list[str], seed: int, dist) -> int:
+def _generate_torchrun(args: argparse.Namespace, prompts: list[str], seed: int, cfg, dist) -> int:
     """Every process is one rank; all run the same loop, rank 0 prints."""
     from moe.memory import peak_memory_mib
     from moe.worker import load_shard, spec_for
 
-    cfg = detect(args.ckpt).config
     plan = resolve_placement(args.placement, cfg.n_layers, cfg.n_experts, dist.world_size,
                              parse_blocks_per_rank(args.blocks_per_rank))
     say = print if dist.rank == 0 else (lambda *a, **k: None)

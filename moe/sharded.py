@@ -35,22 +35,18 @@ def apply_placement(model: Transformer, placement: Placement, rank: int) -> None
     apply_expert_placement(model, placement, rank)
 
 
-def apply_expert_placement(model: Transformer, placement: Placement, rank: int) -> None:
-    """Keep only this rank's experts of every block and route through the all-to-all dispatcher."""
+def apply_expert_placement(model: Transformer, placement: Placement, rank: int,
+                           device: torch.device | str = "meta") -> None:
+    """Keep only this rank's experts of every block (new, uninitialised, on `device`) and route through
+    the all-to-all dispatcher."""
     cfg = model.cfg
     for name, block in model.layers.items():
         i = int(name)
         ffn = block.feed_forward
-        with torch.device("meta"):
+        with torch.device(device):
             ffn.experts = GroupedExperts(cfg.dim, cfg.hidden_dim, placement.local_experts(i, rank))
         ffn.dispatcher = AllToAllDispatcher(SlotTable(placement.expert_ranks[i], placement.world_size),
                                             placement.world_size)
-
-
-def take_part_without_rows(ffn, cfg, device: torch.device, dtype: torch.dtype) -> None:
-    """Enter a block's exchanges with no token of our own (every rank enters every collective)."""
-    ffn.dispatcher(torch.empty(0, cfg.dim, dtype=dtype, device=device), torch.empty(0, cfg.top_k, device=device),
-                   torch.empty(0, cfg.top_k, dtype=torch.long, device=device), ffn.experts, ffn.n_experts)
 
 
 class ShardedEngine:
@@ -60,6 +56,15 @@ class ShardedEngine:
         for block in model.layers.values():
             block.feed_forward.dispatcher.table.to(dist.device)
         self.caches: dict[str, KVCache] = {}
+        self.my_blocks = placement.blocks_of(self.rank)
+        cfg = model.cfg  # what a rank sends when it has no token of its own in a block: made once, not per step
+        self.no_rows = (torch.empty(0, cfg.dim, dtype=dtype, device=dist.device),
+                        torch.empty(0, cfg.top_k, device=dist.device),
+                        torch.empty(0, cfg.top_k, dtype=torch.long, device=dist.device))
+
+    def take_part_without_rows(self, ffn) -> None:
+        """Enter a block's exchanges with no token of our own (every rank enters every collective)."""
+        ffn.dispatcher(*self.no_rows, ffn.experts, ffn.n_experts)
 
     @property
     def head_rank(self) -> int:
@@ -73,7 +78,7 @@ class ShardedEngine:
     def start(self, batch: int, length: int) -> None:
         cfg = self.model.cfg
         self.caches = {str(i): KVCache(batch, cfg.n_kv_heads, length, cfg.head_dim, self.dtype, self.dist.device)
-                       for i in self.placement.blocks_of(self.rank)}
+                       for i in self.my_blocks}
 
     def _move(self, h: torch.Tensor | None, src: int, dst: int, shape: tuple[int, ...]) -> torch.Tensor | None:
         """Hand the hidden states from one owner to the next; only those two ranks take part."""
@@ -95,7 +100,7 @@ class ShardedEngine:
         device = self.dist.device
         h = self.model.tok_embeddings(tokens_BS.to(device)) if self.rank == p.embed_rank else None
         # The padding stays on the CPU (the generation loop made it there); the context copies it over.
-        ctx = AttentionContext.build(cfg, B, S, start, pad_B, device, self.dtype) if p.blocks_of(self.rank) else None
+        ctx = AttentionContext.build(cfg, B, S, start, pad_B, device, self.dtype) if self.my_blocks else None
         rows = real_token_rows(pad_B, S, start, device)
         holder = p.embed_rank
         for name, block in self.model.layers.items():
@@ -107,7 +112,7 @@ class ShardedEngine:
                 h = block.attend(h, ctx, caches[name] if caches is not None else None)
                 h = add_feed_forward(h, block.ffn_norm(h), rows, lambda x, f=ffn: f(x, decoding=start > 0))
             else:  # not the owner: still take part in this block's exchanges, with no rows of our own
-                take_part_without_rows(ffn, cfg, device, self.dtype)
+                self.take_part_without_rows(ffn)
         h = self._move(h, holder, p.head_rank, shape)
         if not self.holds_head:
             return None

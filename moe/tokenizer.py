@@ -54,16 +54,19 @@ class IncrementalDecoder:
     """Turns a growing list of token ids into new text pieces.
 
     SentencePiece decodes a piece differently depending on its neighbours (leading spaces, byte-fallback
-    pieces of one UTF-8 character), so decode the prompt and the whole tail and emit only what is new and
-    complete.
+    pieces of one UTF-8 character), so decode the whole tail after a few prompt tokens of context and emit
+    only what is new and complete. The context's own text is decoded once, not per token.
     """
 
+    CONTEXT = 4  # prompt tokens kept before the new ones: enough for the space and UTF-8 decisions
+
     def __init__(self, tokenizer: Tokenizer, prompt: list[int] | None = None) -> None:
-        self.tokenizer, self.prompt, self.ids, self.emitted = tokenizer, list(prompt or []), [], ""
+        self.tokenizer, self.ids, self.emitted = tokenizer, list(prompt or [])[-self.CONTEXT:], ""
+        self.context_chars = len(tokenizer.decode(self.ids))
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode_continuation(self.prompt, self.ids)
+        text = self.tokenizer.decode(self.ids)[self.context_chars:]
         if text.endswith("\ufffd"):
             return ""  # an incomplete UTF-8 character; wait for its other bytes
         new, self.emitted = text[len(self.emitted):], text

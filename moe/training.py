@@ -20,11 +20,10 @@ import torch.nn.functional as F
 
 from models.basic import init_weights
 from models.config import ModelConfig
-from models.moe import GroupedExperts
 from models.transformer import Transformer
 from moe.distributed import DistContext
-from moe.expert_parallel import AllToAllDispatcher, SlotTable
 from moe.placement import Placement, PlacementError
+from moe.sharded import apply_expert_placement
 
 
 @dataclass(frozen=True)
@@ -54,20 +53,16 @@ def init_model(cfg: ModelConfig, seed: int) -> Transformer:
 
 
 def shard_experts(model: Transformer, placement: Placement, rank: int) -> None:
-    """Keep this rank's experts of every block and route through the all-to-all dispatcher."""
-    cfg = model.cfg
-    for name, block in model.layers.items():
-        ranks = placement.expert_ranks[int(name)]
-        if any(len(r) > 1 for r in ranks):
-            raise PlacementError("training needs one replica per expert (replicas would need their own grad sync)")
-        ffn = block.feed_forward
-        local = placement.local_experts(int(name), rank)
-        experts = GroupedExperts(cfg.dim, cfg.hidden_dim, local)
-        with torch.no_grad():
+    """Keep this rank's experts of every block (their initial weights) and route through the all-to-all."""
+    if any(len(r) > 1 for block in placement.expert_ranks for r in block):
+        raise PlacementError("training needs one replica per expert (replicas would need their own grad sync)")
+    full = {name: block.feed_forward.experts for name, block in model.layers.items()}
+    apply_expert_placement(model, placement, rank, device="cpu")
+    with torch.no_grad():
+        for name, block in model.layers.items():
+            local = block.feed_forward.experts
             for w in ("w1", "w2", "w3"):
-                getattr(experts, w).copy_(getattr(ffn.experts, w)[local])
-        ffn.experts = experts
-        ffn.dispatcher = AllToAllDispatcher(SlotTable(ranks, placement.world_size), placement.world_size)
+                getattr(local, w).copy_(getattr(full[name], w)[local.expert_ids])
 
 
 def is_expert_param(name: str) -> bool:

@@ -46,13 +46,12 @@ def load_shard(spec: ShardSpec, dist: DistContext) -> tuple[ShardedEngine, dict]
     placement = Placement.from_json(spec.placement)
     torch_dtype = parse_dtype(spec.dtype, detect(spec.path).torch_dtype)
     progress = print_progress if spec.progress and dist.rank == 0 else None
-    if spec.attention == "replicated":
-        model, _, stats = build_model(spec.path, torch_dtype, dist.device, progress=progress,
-                                      prune=lambda m: apply_expert_placement(m, placement, dist.rank))
-        return ReplicatedAttentionEngine(model, placement, dist, torch_dtype), stats
-    model, _, stats = build_model(spec.path, torch_dtype, dist.device,
-                                  prune=lambda m: apply_placement(m, placement, dist.rank), progress=progress)
-    return ShardedEngine(model, placement, dist, torch_dtype), stats
+    replicated = spec.attention == "replicated"  # every rank keeps the dense weights; only experts are placed
+    prune, engine = (apply_expert_placement, ReplicatedAttentionEngine) if replicated else (apply_placement,
+                                                                                           ShardedEngine)
+    model, _, stats = build_model(spec.path, torch_dtype, dist.device, progress=progress,
+                                  prune=lambda m: prune(m, placement, dist.rank))
+    return engine(model, placement, dist, torch_dtype), stats
 
 
 def print_progress(line: str) -> None:

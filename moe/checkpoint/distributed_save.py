@@ -8,7 +8,6 @@ and renames the directory into place, so an interrupted save leaves no valid-loo
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -17,9 +16,18 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from models.config import ModelConfig
-from moe.checkpoint.files import HF_INDEX, CheckpointError
+from moe.checkpoint.files import CheckpointError
 from moe.checkpoint.formats import HF, is_stacked_expert
-from moe.checkpoint.writer import dtype_name, finish_checkpoint, make_partial_dir, nbytes, plan_shards, to_external
+from moe.checkpoint.writer import (
+    dtype_name,
+    finish_checkpoint,
+    make_partial_dir,
+    nbytes,
+    plan_shards,
+    shard_file_name,
+    to_external,
+    write_index,
+)
 from moe.distributed import DistContext
 
 
@@ -73,21 +81,16 @@ def save_distributed(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Pa
         total_files, first = sum(counts), sum(counts[:ctx.rank])
         weight_map, files = {}, []
         for i, names in enumerate(shards):
-            fname = ("model.safetensors" if total_files == 1
-                     else f"model-{first + i + 1:05d}-of-{total_files:05d}.safetensors")
+            fname = shard_file_name(first + i + 1, total_files)
             save_file({n: mine[n] for n in names}, tmp / fname, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(names, fname))
             files.append(fname)
-        written = sum(t.numel() * t.element_size() for t in mine.values())
+        written = sum(nbytes(mine).values())
         maps = gather((weight_map, written, dtype_name(tensors) if tensors else None), ctx)
         if ctx.distributed:
             dist.barrier()  # every rank's files are complete before the index names them
         if ctx.rank == 0:
-            full_map = {k: v for m, _, _ in maps for k, v in m.items()}
-            if total_files > 1:
-                index = {"metadata": {"total_size": sum(b for _, b, _ in maps)},
-                         "weight_map": dict(sorted(full_map.items()))}
-                (tmp / HF_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+            write_index(tmp, {k: v for m, _, _ in maps for k, v in m.items()}, sum(b for _, b, _ in maps))
             dtype = next(d for _, _, d in maps if d is not None)
             finish_checkpoint(tmp, out_dir, cfg, dtype, tokenizer)
         if ctx.distributed:

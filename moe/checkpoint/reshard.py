@@ -7,7 +7,6 @@ within about one output file whatever the checkpoint's size. Either layout is ac
 
 from __future__ import annotations
 
-import json
 import shutil
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -17,10 +16,10 @@ import torch
 from safetensors.torch import save_file
 
 from models.transformer import Transformer
-from moe.checkpoint.files import HF_INDEX, index_tensors
+from moe.checkpoint.files import index_tensors
 from moe.checkpoint.formats import HF, detect, external_name, is_stacked_expert, needs_rope_permute, to_half_split
 from moe.checkpoint.loader import SAFETENSORS_DTYPES, TensorReader, needed_sources
-from moe.checkpoint.writer import finish_checkpoint, make_partial_dir, plan_shards
+from moe.checkpoint.writer import finish_checkpoint, make_partial_dir, plan_shards, shard_file_name, write_index
 from moe.placement import Placement
 from moe.sharded import apply_placement
 
@@ -101,7 +100,7 @@ def reshard(src: str | Path, out: str | Path, max_shard_bytes: int | None,
         with ExitStack() as stack:
             reader = TensorReader(tensors, stack)
             for i, shard in enumerate(shards, 1):
-                fname = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                fname = shard_file_name(i, len(shards))
                 data = {}
                 for m in shard:
                     t = reader.read(m.src)
@@ -111,9 +110,7 @@ def reshard(src: str | Path, out: str | Path, max_shard_bytes: int | None,
                 del data
                 weight_map.update(dict.fromkeys((m.dst for m in shard), fname))
                 files[fname] = sorted(set().union(*(need.get(m.dst, set()) for m in shard)))
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / HF_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        write_index(tmp, weight_map, total)
         dtype = str(SAFETENSORS_DTYPES[tensors[moves[0].src].dtype]).removeprefix("torch.")
         tokenizer = src / "tokenizer.model"
         finish_checkpoint(tmp, out, cfg, dtype, tokenizer if tokenizer.exists() else None)

@@ -57,19 +57,26 @@ def plan_shards(sizes: dict[str, int], max_bytes: int | None) -> list[list[str]]
     return shards
 
 
+def shard_file_name(number: int, total: int) -> str:
+    """Hugging Face's names: one file is model.safetensors, else model-0000i-of-0000n.safetensors (i from 1)."""
+    return "model.safetensors" if total == 1 else f"model-{number:05d}-of-{total:05d}.safetensors"
+
+
+def write_index(directory: Path, weight_map: dict[str, str], total_size: int) -> None:
+    """model.safetensors.index.json, needed only when there are several files."""
+    if len(set(weight_map.values())) > 1:
+        index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+        (directory / HF_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
 def write_hf_shards(tensors: dict[str, torch.Tensor], directory: Path, max_bytes: int | None) -> None:
     shards = plan_shards(nbytes(tensors), max_bytes)
-    if len(shards) == 1:
-        save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-        return
     weight_map = {}
     for i, names in enumerate(shards, 1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        fname = shard_file_name(i, len(shards))
         save_file({n: tensors[n] for n in names}, directory / fname, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(names, fname))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / HF_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    write_index(directory, weight_map, sum(nbytes(tensors).values()))
 
 
 def save_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path, fmt: str = HF,
@@ -96,10 +103,14 @@ def dtype_name(tensors: dict[str, torch.Tensor]) -> str:
     return str(next(iter(tensors.values())).dtype).removeprefix("torch.") if tensors else "float32"
 
 
-def make_partial_dir(out_dir: Path) -> Path:
-    """A hidden temporary sibling of `out_dir`; the checkpoint becomes visible only when it is renamed."""
+def refuse_non_empty(out_dir: Path) -> None:
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise CheckpointError(f"{out_dir}: output directory exists and is not empty")
+
+
+def make_partial_dir(out_dir: Path) -> Path:
+    """A hidden temporary sibling of `out_dir`; the checkpoint becomes visible only when it is renamed."""
+    refuse_non_empty(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is meant to be shared
