@@ -11,16 +11,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import cpu_threads
+from models import cpu_kernels
 
 
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.packed: torch.Tensor | None = None  # oneDNN layout for CPU inference (models.cpu_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_threads.linear(x, self.weight)
+        if self.packed is not None:
+            return cpu_kernels.linear(x, self.packed)
+        return F.linear(x, self.weight)
+
+    def pack_weights(self) -> bool:
+        """For CPU inference: keep the weight in oneDNN's layout only; `weight` keeps just its shape."""
+        if self.packed is not None or not cpu_kernels.can_pack(self.weight):
+            return False
+        self.packed = cpu_kernels.pack(self.weight)
+        self.weight = cpu_kernels.shape_only(self.weight)
+        return True
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.packed is not None:
+            destination[prefix + "weight"] = cpu_kernels.unpack(self.packed)
 
 
 class Embedding(nn.Module):

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models import cpu_kernels
 from models.config import ModelConfig
-from models.cpu_threads import run_side_by_side
 
 
 class Router(nn.Module):
@@ -60,34 +60,52 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(n, hidden_dim, dim))
+        # Per stacked expert, (w1, w2, w3) in oneDNN's layout for CPU inference (models.cpu_kernels).
+        self.packed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     def forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor) -> torch.Tensor:
         """x_ND holds counts_El[0] copies for stacked expert 0, then counts_El[1] for expert 1, ..."""
         # One host sync per layer: the split sizes decide which experts run and on which rows.
         counts = counts_El.tolist()
-        if torch.is_grad_enabled() and self.w1.requires_grad:
+        if self.packed is not None:
+            weights, linear = self.packed, cpu_kernels.linear
+        elif torch.is_grad_enabled() and self.w1.requires_grad:
             # unbind: one view per expert, whose backward stacks the gradients once (indexing would zero-fill)
-            w1, w2, w3 = self.w1.unbind(0), self.w2.unbind(0), self.w3.unbind(0)
+            weights, linear = list(zip(self.w1.unbind(0), self.w2.unbind(0), self.w3.unbind(0), strict=True)), F.linear
         else:
-            w1, w2, w3 = self.w1, self.w2, self.w3  # index only the experts that run
-        jobs, start = [], 0
+            weights, linear = None, F.linear  # index only the experts that run
+        outs, start = [], 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue  # an expert that got no token does not run
-            rows = x_ND[start:start + n]
-            jobs.append(lambda rows=rows, e=e: swiglu(rows, w1[e], w2[e], w3[e]))
+            w1, w2, w3 = weights[e] if weights is not None else (self.w1[e], self.w2[e], self.w3[e])
+            outs.append(swiglu(x_ND[start:start + n], w1, w2, w3, linear))
             start += n
-        outs = run_side_by_side(jobs)  # in decode on CPU, side by side on several threads (models.cpu_threads)
         # Concatenating (not writing into slices of a buffer) keeps the backward pass free of zero-filled copies.
         return torch.cat(outs) if outs else x_ND.new_empty((0, self.w2.shape[1]))
 
+    def pack_weights(self) -> bool:
+        """For CPU inference: keep each expert's weights in oneDNN's layout only; w1/w2/w3 keep just shapes."""
+        if self.packed is not None or not cpu_kernels.can_pack(self.w1):
+            return False
+        stacks = (self.w1, self.w2, self.w3)
+        self.packed = [tuple(cpu_kernels.pack(w[e]) for w in stacks) for e in range(len(self.expert_ids))]
+        self.w1, self.w2, self.w3 = (cpu_kernels.shape_only(w) for w in stacks)
+        return True
 
-def swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.packed is not None:
+            for i, name in enumerate(("w1", "w2", "w3")):
+                destination[prefix + name] = torch.stack([cpu_kernels.unpack(p[i]) for p in self.packed])
+
+
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, linear=F.linear) -> torch.Tensor:
     """(silu(x w1^T) * x w3^T) w2^T; without autograd the activation is computed in place (fewer temporaries)."""
-    h = x @ w1.T
-    if torch.is_grad_enabled() and (x.requires_grad or w1.requires_grad):
-        return (F.silu(h) * (x @ w3.T)) @ w2.T
-    return F.silu(h, inplace=True).mul_(x @ w3.T) @ w2.T
+    h = linear(x, w1)
+    if torch.is_grad_enabled() and (x.requires_grad or h.requires_grad):
+        return linear(F.silu(h) * linear(x, w3), w2)
+    return linear(F.silu(h, inplace=True).mul_(linear(x, w3)), w2)
 
 
 @dataclass

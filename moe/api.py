@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from models.config import ModelConfig
+from models.cpu_kernels import KERNELS
 from moe.build import build_model
 from moe.checkpoint.formats import detect
 from moe.checkpoint.loader import parse_dtype
@@ -47,7 +48,8 @@ class MoEModel:
     def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype | None = None, device: str = "cpu",
                         gpus: int = 1, placement: Placement | str | Path | dict | None = None,
                         blocks_per_rank: list[int] | None = None, master_port: int | None = None,
-                        threads: int | None = None, progress: bool = False, attention: str = "owner") -> MoEModel:
+                        threads: int | None = None, progress: bool = False, attention: str = "owner",
+                        cpu_kernels: str = "onednn") -> MoEModel:
         """Load a Hugging Face or Mistral consolidated directory.
 
         With `gpus=N > 1`, N ranks (one GPU each, or CPU processes over gloo without CUDA) share the model
@@ -55,6 +57,8 @@ class MoEModel:
         the ranks stop on `close()`, at the end of a `with` block, or at interpreter exit. `progress` prints
         a line per checkpoint file as rank 0 reads it (to stderr). `attention="replicated"` gives every rank the
         dense weights and its own slice of the batch (for throughput on batches); the experts stay placed.
+        `cpu_kernels="onednn"` (on CPU, fp32/bf16) keeps linear weights in oneDNN's layout, about 2x faster than
+        torch's default CPU products here; "torch" keeps plain tensors and `F.linear`.
         """
         ckpt = detect(path)
         cfg = ckpt.config
@@ -64,11 +68,16 @@ class MoEModel:
         info = {"format": ckpt.fmt, "dtype": str(torch_dtype).removeprefix("torch.")}
         if gpus < 1:
             raise ValueError(f"gpus must be at least 1, got {gpus}")
+        if cpu_kernels not in KERNELS:
+            raise ValueError(f"cpu_kernels={cpu_kernels!r}: use one of {', '.join(KERNELS)}")
+        info["cpu_kernels"] = cpu_kernels
         if gpus == 1 and placement is None:
-            model, _, stats = build_model(path, torch_dtype, device, progress=print_progress if progress else None)
+            model, _, stats = build_model(path, torch_dtype, device, progress=print_progress if progress else None,
+                                          pack=cpu_kernels == "onednn")
             return cls(LocalEngine(model), cfg, tokenizer, info | stats | {"backend": "none", "ranks": 1})
         plan = resolve_placement(placement, cfg.n_layers, cfg.n_experts, gpus, blocks_per_rank)
-        group = WorkerGroup(gpus, spec_for(path, info["dtype"], plan, progress, attention), master_port, threads)
+        spec = spec_for(path, info["dtype"], plan, progress, attention, cpu_kernels)
+        group = WorkerGroup(gpus, spec, master_port, threads)
         ready = group.ready
         info |= {"backend": ready[0]["backend"], "ranks": gpus, "placement": plan, "attention": attention,
                  "load_seconds": max(r["load_seconds"] for r in ready),

@@ -31,25 +31,38 @@ def memory_bandwidth(threads: int, mib: int = 512, repeats: int = 9) -> float:
     torch.set_num_threads(threads)
     src = torch.ones(mib * 2**18)
     dst = torch.zeros_like(src)  # touched, so no page faults are timed
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return src.numel() * 4 / statistics.median(times) / 1e9
+    return src.numel() * 4 / _median_seconds(lambda: dst.copy_(src), repeats) / 1e9
 
 
-def matmul_peak(threads: int, dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 7) -> float:
-    """GFLOP/s of a large square matrix product, median of `repeats`."""
+def read_bandwidth(threads: int, mib: int = 512, repeats: int = 9) -> float:
+    """GB/s of reading a large fp32 tensor (its sum), median of `repeats`: what a decode step mostly does."""
+    torch.set_num_threads(threads)
+    src = torch.ones(mib * 2**18)
+    return src.numel() * 4 / _median_seconds(src.sum, repeats) / 1e9
+
+
+def matmul_peak(threads: int, dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 7) -> dict:
+    """GFLOP/s of a large square matrix product, median of `repeats`: with torch's `a @ b` (MKL on CPU, the
+    figure the issue's targets use) and, where available, oneDNN with a packed weight (what we run)."""
+    from models import cpu_kernels
+
     torch.set_num_threads(threads)
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    a @ b
+    peaks = {"torch": 2 * n**3 / _median_seconds(lambda: a @ b, repeats) / 1e9}
+    if cpu_kernels.can_pack(b):
+        packed = cpu_kernels.pack(b)
+        peaks["onednn"] = 2 * n**3 / _median_seconds(lambda: cpu_kernels.linear(a, packed), repeats) / 1e9
+    return peaks
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        a @ b
+        fn()
         times.append(time.perf_counter() - t0)
-    return 2 * n**3 / statistics.median(times) / 1e9
+    return statistics.median(times)
 
 
 def prefill_flops_per_token(cfg: ModelConfig, length: int) -> float:
@@ -72,14 +85,15 @@ def decode_bytes_per_token(cfg: ModelConfig, element_size: int) -> int:
     return (cfg.n_layers * per_block + D + cfg.vocab_size * D + D) * element_size  # + one embedding row
 
 
-def ours(path: str, gpus: int, dtype: str, threads: int, repeats: int, attention: str = "owner") -> dict:
+def ours(path: str, gpus: int, dtype: str, threads: int, repeats: int, attention: str = "owner",
+         cpu_kernels: str = "onednn") -> dict:
     from moe import MoEModel
 
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     # N ranks share the same cores: each gets threads / N.
     model = MoEModel.from_pretrained(path, dtype=dtype, gpus=gpus, threads=max(1, threads // gpus),
-                                     attention=attention)
+                                     attention=attention, cpu_kernels=cpu_kernels)
     load = time.perf_counter() - t0
     V = model.config.vocab_size
     with model:

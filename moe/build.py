@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from models.cpu_kernels import pack_weights
 from models.transformer import Transformer
 from moe.checkpoint.formats import CheckpointFormat, detect
 from moe.checkpoint.loader import load_into, parse_dtype
@@ -14,7 +15,9 @@ from moe.checkpoint.loader import load_into, parse_dtype
 
 def build_model(directory: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu",
                 prune: Callable[[Transformer], None] | None = None,
-                progress: Callable[[str], None] | None = None) -> tuple[Transformer, CheckpointFormat, dict]:
+                progress: Callable[[str], None] | None = None,
+                pack: bool = False) -> tuple[Transformer, CheckpointFormat, dict]:
+    """`pack`: an inference model on CPU keeps its linear weights in oneDNN's layout (models.cpu_kernels)."""
     ckpt = detect(directory)
     torch_dtype = parse_dtype(dtype, ckpt.torch_dtype)
     with torch.device("meta"):
@@ -25,6 +28,8 @@ def build_model(directory: str | Path, dtype: str | torch.dtype | None = None, d
     stats = load_into(model, ckpt, directory, full_shapes, torch_dtype, device, progress)
     materialize_buffers(model, device)
     model.eval().requires_grad_(False)
+    if pack:
+        pack_weights(model)
     return model, ckpt, stats
 
 

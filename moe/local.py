@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 
 from models.attention import KVCache
-from models.cpu_threads import side_by_side
 from models.transformer import Transformer
 from moe.checkpoint.distributed_save import save_distributed
 from moe.distributed import single_process
@@ -27,10 +24,7 @@ class LocalEngine:
     @torch.inference_mode()
     def forward_last(self, tokens_BS: torch.Tensor, start: int, pad_B: torch.Tensor) -> torch.Tensor:
         device = self.model.tok_embeddings.weight.device
-        decoding = tokens_BS.shape[1] == 1
-        with side_by_side(device) if decoding else nullcontext():
-            logits = self.model(tokens_BS.to(device), start, self.caches, pad_B, last_only=True)
-        return logits[:, -1]
+        return self.model(tokens_BS.to(device), start, self.caches, pad_B, last_only=True)[:, -1]
 
     def generate(self, ids, params, eos, context, on_token=None) -> GenerationResult:
         return generate_tokens(self, ids, params, eos, context, on_token)

@@ -8,12 +8,9 @@ the owner attends and routes, every rank exchanges expert rows, hidden states mo
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 
 from models.attention import AttentionContext, KVCache
-from models.cpu_threads import side_by_side
 from models.moe import GroupedExperts
 from models.transformer import Transformer, add_feed_forward, real_token_rows
 from moe.distributed import DistContext
@@ -121,9 +118,7 @@ class ShardedEngine:
         return self.model.output(self.model.norm(h))
 
     def forward_last(self, tokens_BS: torch.Tensor, start: int, pad_B: torch.Tensor) -> torch.Tensor | None:
-        decoding = tokens_BS.shape[1] == 1  # with several CPU threads per rank, decode runs side by side
-        with side_by_side(self.dist.device) if decoding else nullcontext():
-            logits = self.hidden_to_logits(tokens_BS, start, pad_B, self.caches, last_only=True)
+        logits = self.hidden_to_logits(tokens_BS, start, pad_B, self.caches, last_only=True)
         return logits[:, -1] if logits is not None else None
 
     def share(self, tokens_B: torch.Tensor) -> torch.Tensor:

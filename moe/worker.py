@@ -40,6 +40,7 @@ class ShardSpec:
     placement: dict  # Placement.to_json(), already validated by the parent
     progress: bool = False  # rank 0 prints a line per checkpoint file it has read
     attention: str = "owner"  # "owner": layer placement; "replicated": every rank attends for its batch slice
+    cpu_kernels: str = "onednn"  # see MoEModel.from_pretrained
 
 
 def load_shard(spec: ShardSpec, dist: DistContext) -> tuple[ShardedEngine, dict]:
@@ -50,7 +51,7 @@ def load_shard(spec: ShardSpec, dist: DistContext) -> tuple[ShardedEngine, dict]
     prune, engine = (apply_expert_placement, ReplicatedAttentionEngine) if replicated else (apply_placement,
                                                                                            ShardedEngine)
     model, _, stats = build_model(spec.path, torch_dtype, dist.device, progress=progress,
-                                  prune=lambda m: prune(m, placement, dist.rank))
+                                  prune=lambda m: prune(m, placement, dist.rank), pack=spec.cpu_kernels == "onednn")
     return engine(model, placement, dist, torch_dtype), stats
 
 
@@ -144,7 +145,7 @@ ATTENTION_MODES = ("owner", "replicated")
 
 
 def spec_for(path: str | Path, dtype: str | None, placement: Placement, progress: bool = False,
-             attention: str = "owner") -> ShardSpec:
+             attention: str = "owner", cpu_kernels: str = "onednn") -> ShardSpec:
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention={attention!r}: use one of {', '.join(ATTENTION_MODES)}")
-    return ShardSpec(str(path), dtype, placement.to_json(), progress, attention)
+    return ShardSpec(str(path), dtype, placement.to_json(), progress, attention, cpu_kernels)

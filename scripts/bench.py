@@ -4,10 +4,14 @@
     python scripts/bench.py --size medium --dtype bfloat16
 
 Builds a random checkpoint of the named size (kept in --workdir), then measures, each case in a fresh
-process on the same weights and thread count: this project on 1 rank and on --gpus ranks, and
-transformers' MixtralForCausalLM (when installed). Figures are medians over --repeats runs. Decode is also
-given as a fraction of the bandwidth bound: weight bytes a decode step must read / step time / measured
-copy bandwidth.
+process on the same weights and thread count: this project on 1 rank (with its oneDNN kernels and with
+torch's plain ones) and on --gpus ranks, and transformers' MixtralForCausalLM (when installed). Figures are
+medians over --repeats runs.
+
+Bounds: decode against memory bandwidth (weight bytes a step must read / step time), over the copy
+bandwidth counted as bytes copied per second (the issue's definition) and over the read bandwidth (the
+physical limit of a step that only reads weights); prefill against the matrix-product peak of torch's `a @ b`
+(the issue's definition; MKL on CPU) and of oneDNN (what this project runs).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from moe.benchmark import (  # noqa: E402
     matmul_peak,
     memory_bandwidth,
     prefill_flops_per_token,
+    read_bandwidth,
 )
 from moe.cli import run_command  # noqa: E402
 
@@ -62,9 +67,10 @@ def run_case(args: argparse.Namespace, impl: str, gpus: int, path: Path) -> dict
 def case_main(args: argparse.Namespace) -> None:
     from moe.benchmark import ours, transformers_case
 
-    if args.case in ("ours", "ours-replicated"):
+    if args.case.startswith("ours"):
         attention = "replicated" if args.case == "ours-replicated" else "owner"
-        result = ours(args.ckpt, args.gpus, args.dtype, args.threads, args.repeats, attention)
+        kernels = "torch" if args.case == "ours-torch-kernels" else "onednn"
+        result = ours(args.ckpt, args.gpus, args.dtype, args.threads, args.repeats, attention, kernels)
     else:
         result = transformers_case(args.ckpt, args.dtype, args.threads, args.repeats)
     print(json.dumps(result))
@@ -78,35 +84,42 @@ def main(args: argparse.Namespace) -> int:
             print(f"writing a random {args.size} checkpoint to {path} ...")
             write_sized_checkpoint(path, args.size)
     cfg = checkpoint_config(path)
-    bandwidth = memory_bandwidth(args.threads)
-    peak = matmul_peak(args.threads, getattr(torch, args.dtype))
+    bandwidth, read = memory_bandwidth(args.threads), read_bandwidth(args.threads)
+    peaks = matmul_peak(args.threads, getattr(torch, args.dtype))
     step_bytes = decode_bytes_per_token(cfg, ELEMENT_SIZE[args.dtype])
-    bound = bandwidth * 1e9 / step_bytes
-    prefill_bound = peak * 1e9 / prefill_flops_per_token(cfg, PREFILL)
-    print(f"machine: {cpu_name()}, {args.threads} thread(s); copy bandwidth {bandwidth:.1f} GB/s (bytes copied/s); "
-          f"{args.dtype} matmul {peak:.0f} GFLOP/s")
+    bound, read_bound = bandwidth * 1e9 / step_bytes, read * 1e9 / step_bytes
+    flops = prefill_flops_per_token(cfg, PREFILL)
+    prefill_bound = peaks["torch"] * 1e9 / flops
+    onednn_bound = peaks.get("onednn", peaks["torch"]) * 1e9 / flops
+    print(f"machine: {cpu_name()}, {args.threads} thread(s); copy bandwidth {bandwidth:.1f} GB/s (bytes copied/s), "
+          f"read {read:.1f} GB/s; {args.dtype} matmul {peaks['torch']:.0f} GFLOP/s with torch (a @ b), "
+          f"{peaks.get('onednn', float('nan')):.0f} with oneDNN")
     print(f"model: {path.name}, dim {cfg.dim}, {cfg.n_layers} blocks, {cfg.n_experts} experts top-{cfg.top_k}, "
-          f"{args.dtype}; a decode step reads {step_bytes / 1e6:.0f} MB -> bound {bound:.1f} tokens/s at batch 1; "
-          f"prefill bound {prefill_bound:.0f} tokens/s")
+          f"{args.dtype}; a decode step reads {step_bytes / 1e6:.0f} MB -> bound {bound:.1f} tokens/s at batch 1 "
+          f"(copy bandwidth), {read_bound:.1f} (read); prefill bound {prefill_bound:.0f} tokens/s (torch peak), "
+          f"{onednn_bound:.0f} (oneDNN peak)")
+    impls = [("ours", 1), ("ours-torch-kernels", 1)]
+    if args.gpus > 1:
+        impls += [("ours", args.gpus), ("ours-replicated", args.gpus)]
     try:
         import transformers  # noqa: F401
-        impls = [("ours", 1), ("ours", args.gpus), ("ours-replicated", args.gpus), ("transformers", 1)]
+        impls.append(("transformers", 1))
     except ImportError:
-        impls = [("ours", 1), ("ours", args.gpus), ("ours-replicated", args.gpus)]
         print("transformers is not installed: measuring this project only (pip install -e '.[bench]')")
     rows = {}
     for impl, gpus in impls:
-        if gpus == 1 or impl.startswith("ours"):
-            r = run_case(args, impl, gpus, path)
-            if r is not None:
-                rows[f"{impl} x{gpus}"] = r
-    header = (f"{'case':>19} {'load s':>7} {'prefill tok/s':>13} {'% bound':>7} {'TTFT ms':>8} "
-              f"{'decode b1 tok/s':>15} {'% bound':>7} {'decode b8 tok/s':>15} {'peak RSS MiB':>14}")
-    print(header)
+        r = run_case(args, impl, gpus, path)
+        if r is not None:
+            rows[f"{impl} x{gpus}"] = r
+    print(f"{'':>22} {'load':>6} {'prefill':>8} {'% torch':>7} {'% oneDNN':>8} {'TTFT':>6} {'decode b1':>9} "
+          f"{'% copy':>6} {'% read':>6} {'decode b8':>9} {'peak RSS':>14}")
+    print(f"{'case':>22} {'s':>6} {'tok/s':>8} {'peak':>7} {'peak':>8} {'ms':>6} {'tok/s':>9} "
+          f"{'bound':>6} {'bound':>6} {'tok/s':>9} {'MiB':>14}")
     for name, r in rows.items():
         b1, pre = 1 / r["decode1_step_s"], PREFILL / r["prefill_s"]
-        print(f"{name:>19} {r['load_s']:>7.2f} {pre:>13.0f} {100 * pre / prefill_bound:>6.0f}% "
-              f"{r['ttft_s'] * 1e3:>8.0f} {b1:>15.1f} {100 * b1 / bound:>6.0f}% {8 / r['decode8_step_s']:>15.1f} "
+        print(f"{name:>22} {r['load_s']:>6.2f} {pre:>8.0f} {100 * pre / prefill_bound:>6.0f}% "
+              f"{100 * pre / onednn_bound:>7.0f}% {r['ttft_s'] * 1e3:>6.0f} {b1:>9.1f} {100 * b1 / bound:>5.0f}% "
+              f"{100 * b1 / read_bound:>5.0f}% {8 / r['decode8_step_s']:>9.1f} "
               f"{'/'.join(f'{m:.0f}' for m in r['peak_rss_mib']):>14}")
     one, many = rows.get("ours x1"), rows.get(f"ours x{args.gpus}")
     if one and many and args.gpus > 1:
@@ -121,13 +134,19 @@ def main(args: argparse.Namespace) -> int:
               f"{32 / plain['decode32_step_s']:.1f} tok/s at batch 8 / 32; replicated attention "
               f"{8 / replicated['decode8_step_s']:.1f} / {32 / replicated['decode32_step_s']:.1f} tok/s; greedy "
               f"tokens {'identical' if plain['tokens8_hash'] == replicated['tokens8_hash'] else 'DIFFERENT'}")
+    if "ours-torch-kernels x1" in rows and one:
+        plain_kernels = rows["ours-torch-kernels x1"]
+        print(f"oneDNN vs torch kernels (1 rank): decode b1 "
+              f"{plain_kernels['decode1_step_s'] / one['decode1_step_s']:.2f}x, prefill "
+              f"{plain_kernels['prefill_s'] / one['prefill_s']:.2f}x")
     if "transformers x1" in rows and one:
         hf = rows["transformers x1"]
         print(f"vs transformers: decode b1 {hf['decode1_step_s'] / one['decode1_step_s']:.2f}x, decode b8 "
               f"{hf['decode8_step_s'] / one['decode8_step_s']:.2f}x, prefill {hf['prefill_s'] / one['prefill_s']:.2f}x")
     if args.json:
         args.json.write_text(json.dumps({"size": args.size, "dtype": args.dtype, "threads": args.threads,
-                                         "cpu": cpu_name(), "bandwidth_gbs": bandwidth, "matmul_gflops": peak,
+                                         "cpu": cpu_name(), "bandwidth_gbs": bandwidth, "read_gbs": read,
+                                         "matmul_gflops": peaks,
                                          "decode_bytes": step_bytes,
                                          "new_tokens": NEW_TOKENS, "prefill_tokens": PREFILL, "cases": rows},
                                         indent=1) + "\n")
@@ -144,7 +163,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--gpus", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--case", choices=["ours", "ours-replicated", "transformers"], help=argparse.SUPPRESS)
+    ap.add_argument("--case", choices=["ours", "ours-torch-kernels", "ours-replicated", "transformers"],
+                    help=argparse.SUPPRESS)
     return ap.parse_args()
 
 

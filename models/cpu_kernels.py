@@ -1,0 +1,55 @@
+"""Linear products on CPU through oneDNN, with weights reordered once at load ("packed").
+
+torch's `F.linear` on CPU calls MKL, which on AMD CPUs takes a generic code path: measured on an AMD EPYC with
+AVX-512, fp32 products of 128 rows run at ~100 GFLOP/s per core and bf16 matrix-vector products read weights at
+~12 GB/s. oneDNN, with each weight reordered once into its blocked layout, reaches ~240 GFLOP/s per core in
+fp32 and ~26 GB/s in bf16 matrix-vector products, and spreads even one-row products over all threads.
+
+A packed weight is an opaque oneDNN tensor of the same size as the dense one; `unpack` gives the dense weight
+back exactly. Only inference packs: these ops have no autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+KERNELS = ("onednn", "torch")  # choices for MoEModel.from_pretrained(cpu_kernels=...)
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """oneDNN runs this weight's dtype on this CPU (fp32; bf16 where the CPU has bf16 instructions)."""
+    if weight.device.type != "cpu" or weight.is_meta or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.float32:
+        return True
+    return weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] dense weight -> oneDNN's layout for `linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T with a packed weight; x [..., in] of the weight's dtype."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    return packed.to_dense()
+
+
+def shape_only(weight: torch.Tensor) -> nn.Parameter:
+    """What stays of a packed parameter: its name, shape and dtype (on the meta device, no memory)."""
+    return nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
+
+
+def pack_weights(model: nn.Module) -> int:
+    """Pack every packable weight of an inference model (modules with `pack_weights()`); returns how many
+    modules were packed. `state_dict()` still gives dense tensors, so saving works unchanged."""
+    packed = 0
+    for module in model.modules():
+        if hasattr(module, "pack_weights"):
+            packed += bool(module.pack_weights())
+    return packed

@@ -1,0 +1,81 @@
+"""oneDNN-packed weights for CPU inference: the same products, dense weights back exactly, the same answers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from models import cpu_kernels
+from models.basic import Linear
+from models.moe import GroupedExperts
+from moe import MoEModel
+from tests.checkpoints import TRAINED
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.can_pack(torch.zeros(1)), reason="torch built without oneDNN")
+BF16 = cpu_kernels.can_pack(torch.zeros(1, dtype=torch.bfloat16))
+
+
+def randomize(module: torch.nn.Module, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not BF16, reason="no bf16 instructions on this CPU"))])
+@torch.inference_mode()
+def test_packed_linear_matches_dense_and_unpacks_exactly(dtype):
+    lin = Linear(64, 96)
+    randomize(lin)
+    lin.to(dtype)
+    weight = lin.weight.detach().clone()
+    xs = [torch.randn(rows, 64).to(dtype) for rows in (1, 7, 130)]
+    dense = [F.linear(x, weight) for x in xs]
+    assert lin.pack_weights() and not lin.pack_weights()  # packs once
+    assert lin.weight.is_meta and lin.weight.shape == (96, 64) and lin.weight.dtype == dtype  # no memory left
+    for x, want in zip(xs, dense, strict=True):
+        got = lin(x)
+        assert got.dtype == dtype
+        # Products of 64 terms: fp32 agrees to rounding, bf16 to one bf16 step of the result.
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * 8)
+    assert torch.equal(lin.state_dict()["weight"], weight)
+
+
+@torch.inference_mode()
+def test_packed_experts_match_and_save_dense_stacks():
+    experts = GroupedExperts(64, 96, [3, 5, 6])
+    randomize(experts, seed=1)
+    x = torch.randn(7, 64)
+    counts = torch.tensor([2, 0, 5])  # the middle expert gets no row and does not run
+    want = experts(x, counts)
+    state = {k: v.clone() for k, v in experts.state_dict().items()}
+    assert experts.pack_weights()
+    assert all(p.is_meta for p in experts.parameters())
+    assert torch.allclose(experts(x, counts), want, rtol=1e-5, atol=1e-4)
+    assert experts.state_dict().keys() == state.keys()
+    assert all(torch.equal(experts.state_dict()[k], v) for k, v in state.items())
+
+
+def test_onednn_and_torch_kernels_give_the_same_answer_and_save_the_same_weights(tmp_path):
+    prompts = [[1, 45, 312, 9, 77], [1, 8, 8]]
+    ids = torch.tensor([[1, 45, 312, 9, 77, 1000, 3, 4]])
+    plain = MoEModel.from_pretrained(TRAINED, cpu_kernels="torch")
+    packed = MoEModel.from_pretrained(TRAINED)  # the default
+    assert packed.info["cpu_kernels"] == "onednn"
+    assert all(m.packed is not None for m in packed.engine.model.modules() if isinstance(m, Linear | GroupedExperts))
+    assert (packed(ids) - plain(ids)).abs().max().item() < 1e-4
+    assert packed.generate(prompts, max_new_tokens=24, ignore_eos=True) == plain.generate(
+        prompts, max_new_tokens=24, ignore_eos=True)
+    packed.save_pretrained(tmp_path / "out", max_shard_size=None)
+    saved = load_file(tmp_path / "out" / "model.safetensors")
+    source = {k: v for f in sorted(TRAINED.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert saved.keys() == source.keys() and all(torch.equal(saved[k], source[k]) for k in source)
+
+
+def test_unknown_kernels_are_refused():
+    with pytest.raises(ValueError, match="cpu_kernels='mkl': use one of onednn, torch"):
+        MoEModel.from_pretrained(TRAINED, cpu_kernels="mkl")
