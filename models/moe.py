@@ -88,9 +88,12 @@ class GroupedExperts(nn.Module):
         """For CPU inference: keep each expert's weights in oneDNN's layout only; w1/w2/w3 keep just shapes."""
         if self.packed is not None or not cpu_kernels.can_pack(self.w1):
             return False
-        stacks = (self.w1, self.w2, self.w3)
-        self.packed = [tuple(cpu_kernels.pack(w[e]) for w in stacks) for e in range(len(self.expert_ids))]
-        self.w1, self.w2, self.w3 = (cpu_kernels.shape_only(w) for w in stacks)
+        by_stack = []
+        for name in ("w1", "w2", "w3"):  # one stack at a time, so only one extra stack is ever held
+            stack = getattr(self, name)
+            by_stack.append([cpu_kernels.pack(w) for w in stack])
+            setattr(self, name, cpu_kernels.shape_only(stack))
+        self.packed = list(zip(*by_stack, strict=True))
         return True
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
