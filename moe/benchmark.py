@@ -34,6 +34,15 @@ def memory_bandwidth(threads: int, mib: int = 512, repeats: int = 9) -> float:
     return src.numel() * 4 / _median_seconds(lambda: dst.copy_(src), repeats) / 1e9
 
 
+def warm_page_cache(directory: str | Path) -> None:
+    """Read every file of a checkpoint once, so load times compare cases, not which one ran first."""
+    for path in sorted(Path(directory).iterdir()):
+        if path.is_file():
+            with open(path, "rb") as f:
+                while f.read(1 << 24):
+                    pass
+
+
 def read_bandwidth(threads: int, mib: int = 512, repeats: int = 9) -> float:
     """GB/s of reading a large fp32 tensor (its sum), median of `repeats`: what a decode step mostly does."""
     torch.set_num_threads(threads)

@@ -88,7 +88,7 @@ def _generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     model = MoEModel.from_pretrained(args.ckpt, dtype=args.dtype, gpus=args.gpus, placement=plan,
                                      master_port=args.master_port, threads=args.threads, progress=True,
-                                     attention=args.attention)
+                                     attention=args.attention, cpu_kernels=args.cpu_kernels)
     load_s = time.perf_counter() - t0
     with model:
         print(f"model: {args.ckpt} ({model.info['format']}), {cfg.n_layers} blocks, "
@@ -138,7 +138,8 @@ def _generate_torchrun(args: argparse.Namespace, prompts: list[str], seed: int, 
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    engine, _ = load_shard(spec_for(args.ckpt, args.dtype, plan, progress=True, attention=args.attention), dist)
+    spec = spec_for(args.ckpt, args.dtype, plan, progress=True, attention=args.attention, cpu_kernels=args.cpu_kernels)
+    engine, _ = load_shard(spec, dist)
     load_s = time.perf_counter() - t0
     tokenizer = Tokenizer(Path(args.ckpt) / "tokenizer.model")
     ids = [tokenizer.encode(p) for p in prompts]

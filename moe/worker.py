@@ -87,7 +87,8 @@ def worker_main(rank: int, world_size: int, port: int, threads: int, conn, spec:
             os.sched_setaffinity(0, share)  # not when asked for more threads than cores: they would spin-wait
         baseline = peak_memory_mib(dist.device)  # the process before any weight is read
         engine, stats = load_shard(spec, dist)
-        conn.send(("ok", {"rank": rank, "params": sorted(engine.model.state_dict()), **stats,
+        names = sorted(name for name, _ in engine.model.named_parameters())  # not state_dict(): it unpacks weights
+        conn.send(("ok", {"rank": rank, "params": names, **stats,
                           "baseline_mib": baseline, "loaded_peak_mib": peak_memory_mib(dist.device),
                           "device": str(dist.device), "backend": dist.backend}))
         serve(engine, conn)

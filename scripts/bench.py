@@ -38,6 +38,7 @@ from moe.benchmark import (  # noqa: E402
     memory_bandwidth,
     prefill_flops_per_token,
     read_bandwidth,
+    warm_page_cache,
 )
 from moe.cli import run_command  # noqa: E402
 
@@ -106,6 +107,7 @@ def main(args: argparse.Namespace) -> int:
         impls.append(("transformers", 1))
     except ImportError:
         print("transformers is not installed: measuring this project only (pip install -e '.[bench]')")
+    warm_page_cache(path)
     rows = {}
     for impl, gpus in impls:
         r = run_case(args, impl, gpus, path)

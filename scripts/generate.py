@@ -36,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--attention", choices=["owner", "replicated"], default="owner",
                     help="owner: each block's attention on one rank (layer placement, default); replicated: every "
                          "rank holds the dense weights and runs its slice of the batch (throughput on batches)")
+    ap.add_argument("--cpu-kernels", choices=["onednn", "torch"], default="onednn",
+                    help="on CPU: linear weights packed for oneDNN (default, faster) or plain torch products")
     ap.add_argument("--expert-load", default=None, metavar="DIR",
                     help="after generating, write an expert-load report (JSON, CSV, PNG) to DIR")
     ap.add_argument("--master-port", type=int, default=None,
