@@ -24,7 +24,8 @@ KERNELS = ("onednn", "torch")  # choices for MoEModel.from_pretrained(cpu_kernel
 
 def can_pack(weight: torch.Tensor) -> bool:
     """oneDNN runs this weight's dtype on this CPU (fp32; bf16 where the CPU has bf16 instructions)."""
-    if weight.device.type != "cpu" or weight.is_meta or not torch.backends.mkldnn.is_available():
+    mkldnn = torch.backends.mkldnn
+    if weight.device.type != "cpu" or weight.is_meta or not (mkldnn.is_available() and mkldnn.enabled):
         return False
     if weight.dtype == torch.float32:
         return True
