@@ -33,10 +33,14 @@ class Linear(nn.Module):
         self.weight = cpu_kernels.shape_only(self.weight)
         return True
 
+    def dense(self, name: str) -> torch.Tensor:
+        """Parameter `name` as a dense tensor (unpacked if packed)."""
+        return cpu_kernels.unpack(self.packed) if self.packed is not None else getattr(self, name).detach()
+
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.packed is not None:
-            destination[prefix + "weight"] = cpu_kernels.unpack(self.packed)
+            destination[prefix + "weight"] = self.dense("weight")
 
 
 class Embedding(nn.Module):

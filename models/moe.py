@@ -96,11 +96,18 @@ class GroupedExperts(nn.Module):
         self.packed = list(zip(*by_stack, strict=True))
         return True
 
+    def dense(self, name: str) -> torch.Tensor:
+        """Stacked weight `name` ("w1", "w2", "w3") as a dense tensor (unpacked if packed)."""
+        if self.packed is None:
+            return getattr(self, name).detach()
+        i = ("w1", "w2", "w3").index(name)
+        return torch.stack([cpu_kernels.unpack(p[i]) for p in self.packed])
+
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.packed is not None:
-            for i, name in enumerate(("w1", "w2", "w3")):
-                destination[prefix + name] = torch.stack([cpu_kernels.unpack(p[i]) for p in self.packed])
+            for name in ("w1", "w2", "w3"):
+                destination[prefix + name] = self.dense(name)
 
 
 def swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, linear=F.linear) -> torch.Tensor:

@@ -49,13 +49,52 @@ def stacked_expert_ids(model: torch.nn.Module) -> dict[str, list[int]]:
     return ids
 
 
+def state_layout(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What state_dict() holds, without unpacking anything: a packed weight appears as its meta placeholder
+    (right name, shape and dtype, no memory). `dense_tensor` gives any one of them for real."""
+    out = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{module_name}." if module_name else ""
+        for name, p in module._parameters.items():
+            if p is not None:
+                out[prefix + name] = p
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                out[prefix + name] = b
+    return out
+
+
+def dense_tensor(model: torch.nn.Module, name: str) -> torch.Tensor:
+    """One state tensor, dense and on the CPU."""
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    t = module.dense(attr) if hasattr(module, "dense") else getattr(module, attr).detach()
+    return t.cpu()
+
+
+def dense_external(model: torch.nn.Module, cfg: ModelConfig, names: list[str], source: dict[str, str],
+                   expert_ids: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """The external tensors `names`, dense: each of our tensors they come from is made dense once."""
+    wanted, out = set(names), {}
+    for ours in dict.fromkeys(source[n] for n in names):
+        external = to_external({ours: dense_tensor(model, ours)}, cfg, HF, expert_ids)
+        out.update((n, t) for n, t in external.items() if n in wanted)
+    return {n: out[n] for n in names}
+
+
 def save_distributed(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Path, ctx: DistContext,
                      max_shard_bytes: int | None = None, tokenizer: str | Path | None = None) -> dict:
-    """Collective: every rank calls it. Returns {"files": [this rank's files], "bytes": bytes written here}."""
+    """Collective: every rank calls it. Returns {"files": [this rank's files], "bytes": bytes written here}.
+
+    Files are planned from names and shapes alone; each file's tensors are made dense (unpacked, copied off
+    the GPU) just before it is written, so saving needs little memory beyond the model."""
     out_dir = Path(out_dir)
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    expert_ids = {k: v for k, v in stacked_expert_ids(model).items() if k in state and is_stacked_expert(k)}
-    tensors = to_external(state, cfg, HF, expert_ids)
+    layout = state_layout(model)
+    expert_ids = {k: v for k, v in stacked_expert_ids(model).items() if k in layout and is_stacked_expert(k)}
+    with torch.no_grad():
+        tensors = to_external(layout, cfg, HF, expert_ids)  # external name -> view or placeholder, for planning
+        source = {ext: name for name, t in layout.items()
+                  for ext in to_external({name: t}, cfg, HF, expert_ids)}  # external name -> our name
     holders = gather(sorted(tensors), ctx)
     first_holder = {}
     for rank, names in enumerate(holders):
@@ -82,7 +121,7 @@ def save_distributed(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Pa
         weight_map, files = {}, []
         for i, names in enumerate(shards):
             fname = shard_file_name(first + i + 1, total_files)
-            save_file({n: mine[n] for n in names}, tmp / fname, metadata={"format": "pt"})
+            save_file(dense_external(model, cfg, names, source, expert_ids), tmp / fname, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(names, fname))
             files.append(fname)
         written = sum(nbytes(mine).values())
