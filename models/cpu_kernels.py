@@ -66,11 +66,9 @@ def shape_only(weight: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
 
 
-def pack_weights(model: nn.Module) -> int:
-    """Pack every packable weight of an inference model (modules with `pack_weights()`); returns how many
-    modules were packed. `state_dict()` still gives dense tensors, so saving works unchanged."""
-    packed = 0
+def pack_weights(model: nn.Module) -> None:
+    """Pack every packable weight of an inference model (modules with `pack_weights()`). `state_dict()`
+    still gives dense tensors, so saving works unchanged."""
     for module in model.modules():
         if hasattr(module, "pack_weights"):
-            packed += bool(module.pack_weights())
-    return packed
+            module.pack_weights()

@@ -91,10 +91,11 @@ def save_distributed(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Pa
     out_dir = Path(out_dir)
     layout = state_layout(model)
     expert_ids = {k: v for k, v in stacked_expert_ids(model).items() if k in layout and is_stacked_expert(k)}
+    tensors, source = {}, {}  # external name -> view or placeholder (for planning); -> our name
     with torch.no_grad():
-        tensors = to_external(layout, cfg, HF, expert_ids)  # external name -> view or placeholder, for planning
-        source = {ext: name for name, t in layout.items()
-                  for ext in to_external({name: t}, cfg, HF, expert_ids)}  # external name -> our name
+        for name, t in layout.items():
+            for ext, view in to_external({name: t}, cfg, HF, expert_ids).items():
+                tensors[ext], source[ext] = view, name
     holders = gather(sorted(tensors), ctx)
     first_holder = {}
     for rank, names in enumerate(holders):
