@@ -1,6 +1,6 @@
 """Model configuration: one small dataclass, read from Hugging Face `config.json` or Mistral `params.json`.
 
-Holds architecture only; where the parts run (ranks, placement) lives in `moe.placement`.
+Holds architecture only; where the parts run (ranks, placement) lives in `moe.parallel.placement`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The Mixtral decoder on one device: embedding, blocks of (attention, MoE feed-forward), norm, head.
 
 Blocks live in a `ModuleDict` keyed by their global index, so parameter names (`layers.17.*`) stay the
-same whatever subset a rank holds. This file knows nothing of ranks; `moe.placement` prunes and rewires it.
+same whatever subset a rank holds. This file knows nothing of ranks; `moe.parallel.placement` prunes and rewires it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch import nn
 from models.attention import Attention, AttentionContext, KVCache, RMSNorm
 from models.basic import Embedding, Linear
 from models.config import ModelConfig
-from models.moe import MoEFeedForward
+from models.mixture import MoEFeedForward
 
 
 class Block(nn.Module):

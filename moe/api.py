@@ -1,48 +1,64 @@
 """`MoEModel`: the user-facing handle. Loads a checkpoint, runs forward passes and generation.
 
-It delegates to an engine: `LocalEngine` for one rank; the N-rank engine drives worker processes.
+Plain steps in `from_pretrained`: read the config, pick where the model runs, build the engine:
+`LocalEngine` for one rank in this process; under torchrun a `ShardedEngine` (this process is one rank);
+otherwise `RemoteEngine` over N rank processes started here. All three answer the same calls
+(`moe.engine.base.Engine`), so everything below the constructor is the same for every case.
 """
 
 from __future__ import annotations
 
-import random
+import os
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from models.config import ModelConfig
 from models.cpu_kernels import KERNELS
-from moe.build import build_model
 from moe.checkpoint.formats import detect
 from moe.checkpoint.loader import parse_dtype
+from moe.engine.base import Engine
+from moe.engine.build import build_model
+from moe.engine.local import LocalEngine
 from moe.generation import SamplingParams, check_prompts
-from moe.launcher import WorkerGroup
-from moe.load_report import ExpertLoadReport
-from moe.local import LocalEngine
-from moe.placement import Placement
-from moe.remote import RemoteEngine
+from moe.memory import peak_memory_mib
+from moe.parallel.distributed import from_torchrun
+from moe.parallel.placement import Placement, resolve_placement
+from moe.progress import Progress
+from moe.reports.expert_load import ExpertLoadReport
 from moe.tokenizer import IncrementalDecoder, Tokenizer
-from moe.worker import print_progress, spec_for
+from moe.workers.rank import ATTENTION_MODES, ShardSpec
 
 
-def resolve_placement(placement: Placement | str | Path | dict | None, n_layers: int, n_experts: int, gpus: int,
-                      blocks_per_rank: list[int] | None = None) -> Placement:
-    """A validated plan from a Placement, a JSON file, a dict, or the default (optionally per-rank block counts)."""
-    if placement is None:
-        plan = Placement.default(n_layers, n_experts, gpus, blocks_per_rank)
-    elif isinstance(placement, Placement):
-        plan = placement
-    elif isinstance(placement, dict):
-        plan = Placement.from_json(placement)
-    else:
-        plan = Placement.load(placement)
-    return plan.validate(n_layers, n_experts, gpus)
+@dataclass(frozen=True)
+class ModelInfo:
+    """What was loaded, and where it runs."""
+
+    format: str  # "hf" or "mistral"
+    dtype: str  # "float32", "bfloat16", "float16"
+    cpu_kernels: str
+    ranks: int
+    backend: str  # "none" (one process), "gloo" or "nccl"
+    launch: str  # "local" (this process), "processes" (started here), "torchrun" (this process is one rank)
+    rank: int = 0  # this process's rank: 0 unless under torchrun
+    placement: Placement | None = None
+    attention: str = "owner"
+    load_seconds: list[float] = field(default_factory=list)  # per rank, reading its tensors
+    bytes_read: list[int] = field(default_factory=list)  # per rank
+    files_read: list[list[str]] = field(default_factory=list)  # per rank
+    rank_params: list[list[str]] = field(default_factory=list)  # per rank (rank processes only)
+    pids: list[int] = field(default_factory=list)  # process id of each rank
+    baseline_mib: list[float] = field(default_factory=list)  # per rank, memory before any weight was read
+    loaded_peak_mib: list[float] = field(default_factory=list)  # per rank, peak memory once loaded
 
 
 class MoEModel:
-    def __init__(self, engine, config: ModelConfig, tokenizer: Tokenizer | None, info: dict) -> None:
+    def __init__(self, engine: Engine, config: ModelConfig, tokenizer: Tokenizer | None, info: ModelInfo) -> None:
         self.engine, self.config, self._tokenizer, self.info = engine, config, tokenizer, info
+        self._lock = threading.Lock()  # one call at a time: the ranks run one request in lock-step
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype | None = None, device: str = "cpu",
@@ -54,36 +70,79 @@ class MoEModel:
 
         With `gpus=N > 1`, N ranks (one GPU each, or CPU processes over gloo without CUDA) share the model
         under `placement` (default: contiguous block ranges, experts of every block spread over all ranks);
-        the ranks stop on `close()`, at the end of a `with` block, or at interpreter exit. `progress` prints
-        a line per checkpoint file as rank 0 reads it (to stderr). `attention="replicated"` gives every rank the
-        dense weights and its own slice of the batch (for throughput on batches); the experts stay placed.
-        `cpu_kernels="onednn"` (on CPU, fp32/bf16) keeps linear weights in oneDNN's layout, about 2x faster than
-        torch's default CPU products here; "torch" keeps plain tensors and `F.linear`.
+        the ranks are fresh interpreters, so this works from any script, `python -c` or a notebook, and they
+        stop on `close()`, at the end of a `with` block, or at interpreter exit. Under torchrun (RANK and
+        WORLD_SIZE set) this process joins the given group as one rank instead, and every rank makes the same
+        calls. `progress` shows checkpoint reading on rank 0 (a bar on a terminal, a line per file).
+        `attention="replicated"` gives every rank the dense weights and its own slice of the batch (for
+        throughput on batches); the experts stay placed. `cpu_kernels="onednn"` (on CPU, fp32/bf16) keeps
+        linear weights in oneDNN's layout, about 2x faster than torch's default CPU products here; "torch"
+        keeps plain tensors and `F.linear`.
         """
         ckpt = detect(path)
         cfg = ckpt.config
         tok_path = Path(path) / "tokenizer.model"
         tokenizer = Tokenizer(tok_path) if tok_path.exists() else None
-        torch_dtype = parse_dtype(dtype, ckpt.torch_dtype)
-        info = {"format": ckpt.fmt, "dtype": str(torch_dtype).removeprefix("torch.")}
-        if gpus < 1:
-            raise ValueError(f"gpus must be at least 1, got {gpus}")
+        dtype_name = str(parse_dtype(dtype, ckpt.torch_dtype)).removeprefix("torch.")
+        if not isinstance(gpus, int) or gpus < 1:
+            raise ValueError(f"gpus must be a positive integer, got {gpus!r}")
         if cpu_kernels not in KERNELS:
             raise ValueError(f"cpu_kernels={cpu_kernels!r}: use one of {', '.join(KERNELS)}")
-        info["cpu_kernels"] = cpu_kernels
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"attention={attention!r}: use one of {', '.join(ATTENTION_MODES)}")
+        base = dict(format=ckpt.fmt, dtype=dtype_name, cpu_kernels=cpu_kernels, attention=attention)
+        joined = from_torchrun()
+        if joined is not None:
+            return cls._join_torchrun(path, cfg, tokenizer, base, joined, gpus, placement, blocks_per_rank, progress)
         if gpus == 1 and placement is None:
-            model, _, stats = build_model(path, torch_dtype, device, progress=print_progress if progress else None,
+            baseline = peak_memory_mib(device)
+            model, _, stats = build_model(path, dtype_name, device, progress=Progress.for_loading(progress),
                                           pack=cpu_kernels == "onednn")
-            return cls(LocalEngine(model), cfg, tokenizer, info | stats | {"backend": "none", "ranks": 1})
+            info = ModelInfo(**base, ranks=1, backend="none", launch="local", load_seconds=[stats["load_seconds"]],
+                             bytes_read=[stats["bytes_read"]], files_read=[stats["files_read"]], pids=[os.getpid()],
+                             baseline_mib=[baseline], loaded_peak_mib=[peak_memory_mib(device)])
+            return cls(LocalEngine(model), cfg, tokenizer, info)
+        from moe.engine.remote import RemoteEngine
+        from moe.workers.group import WorkerGroup
+
         plan = resolve_placement(placement, cfg.n_layers, cfg.n_experts, gpus, blocks_per_rank)
-        spec = spec_for(path, info["dtype"], plan, progress, attention, cpu_kernels)
+        spec = ShardSpec(str(path), dtype_name, plan.to_json(), progress, attention, cpu_kernels)
         group = WorkerGroup(gpus, spec, master_port, threads)
         ready = group.ready
-        info |= {"backend": ready[0]["backend"], "ranks": gpus, "placement": plan, "attention": attention,
-                 "load_seconds": max(r["load_seconds"] for r in ready),
-                 "bytes_read": [r["bytes_read"] for r in ready], "files_read": [r["files_read"] for r in ready],
-                 "rank_params": [r["params"] for r in ready]}
-        return cls(RemoteEngine(group, plan), cfg, tokenizer, info)
+        info = ModelInfo(**base, ranks=gpus, backend=ready[0]["backend"], launch="processes", placement=plan,
+                         load_seconds=[r["load_seconds"] for r in ready],
+                         bytes_read=[r["bytes_read"] for r in ready], files_read=[r["files_read"] for r in ready],
+                         rank_params=[r["params"] for r in ready], pids=group.pids,
+                         baseline_mib=[r["baseline_mib"] for r in ready],
+                         loaded_peak_mib=[r["loaded_peak_mib"] for r in ready])
+        return cls(RemoteEngine(group), cfg, tokenizer, info)
+
+    @classmethod
+    def _join_torchrun(cls, path, cfg, tokenizer, base: dict, dist, gpus: int, placement, blocks_per_rank,
+                       progress: bool) -> MoEModel:
+        from moe.workers.rank import load_shard
+
+        if gpus not in (1, dist.world_size):
+            raise ValueError(f"gpus={gpus}: under torchrun the ranks are torchrun's (WORLD_SIZE={dist.world_size}); "
+                             "leave gpus out")
+        plan = resolve_placement(placement, cfg.n_layers, cfg.n_experts, dist.world_size, blocks_per_rank)
+        spec = ShardSpec(str(path), base["dtype"], plan.to_json(), progress, base["attention"], base["cpu_kernels"])
+        baseline = peak_memory_mib(dist.device)
+        engine, stats = load_shard(spec, dist)
+        engine.owns_group = True
+        mine = (stats["load_seconds"], stats["bytes_read"], stats["files_read"], os.getpid(), baseline,
+                peak_memory_mib(dist.device))
+        per_rank = list(zip(*dist.all_gather_object(mine), strict=True))
+        info = ModelInfo(**base, ranks=dist.world_size, backend=dist.backend, launch="torchrun", rank=dist.rank,
+                         placement=plan, load_seconds=list(per_rank[0]), bytes_read=list(per_rank[1]),
+                         files_read=list(per_rank[2]), pids=list(per_rank[3]), baseline_mib=list(per_rank[4]),
+                         loaded_peak_mib=list(per_rank[5]))
+        return cls(engine, cfg, tokenizer, info)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank: 0 unless under torchrun, where every rank runs the same calls."""
+        return self.info.rank
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -97,7 +156,13 @@ class MoEModel:
             raise ValueError(f"input_ids must be a LongTensor [batch, seq], "
                              f"got {input_ids.dtype} {list(input_ids.shape)}")
         check_prompts(input_ids.tolist(), self.config.vocab_size, self.config.max_seq_len + 1)
-        return self.engine.logits(input_ids)
+        with self._lock:
+            return self.engine.logits(input_ids)
+
+    def random_seed(self) -> int:
+        """A fresh seed, drawn on one rank and shared, so a printed seed reproduces the sampled text."""
+        with self._lock:
+            return self.engine.random_seed()
 
     def generate(self, prompts: list[str] | list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
@@ -115,20 +180,23 @@ class MoEModel:
             raise ValueError(f"prompt {[bool(p) for p in prompts].index(False)} is empty")
         ids = [self.tokenizer.encode(p) for p in prompts] if is_text else [list(map(int, p)) for p in prompts]
         check_prompts(ids, self.config.vocab_size, self.config.max_seq_len)
-        params = SamplingParams(max_new_tokens, temperature, top_p, top_k,
-                                seed if seed is not None else random.randrange(2**31))
+        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed if seed is not None else 0)
         eos = self._tokenizer.eos_id if self._tokenizer is not None else self.config.eos_id
         eos = None if ignore_eos else eos
         on_token = None
         if streamer is not None and is_text:
             decoders = [IncrementalDecoder(self.tokenizer, p) for p in ids]
-            def on_token(b: int, t: int) -> None:  # noqa: E306
+
+            def on_token(b: int, t: int) -> None:
                 piece = decoders[b].push(t)
                 if piece:
                     streamer(b, piece)
         elif streamer is not None:
             on_token = streamer
-        result = self.engine.generate(ids, params, eos, self.config.max_seq_len, on_token)
+        with self._lock:
+            if seed is None:
+                params = SamplingParams(max_new_tokens, temperature, top_p, top_k, self.engine.random_seed())
+            result = self.engine.generate(ids, params, eos, self.config.max_seq_len, on_token)
         self.last_result = result
         if not is_text:
             return result.tokens
@@ -145,21 +213,30 @@ class MoEModel:
         refuse_non_empty(path)  # here, before the ranks start writing: a user error must not stop them
         size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
         tokenizer = str(self._tokenizer.path) if self._tokenizer is not None else None
-        return self.engine.save(str(path.resolve()), size, tokenizer)
+        with self._lock:
+            return self.engine.save(str(path.resolve()), size, tokenizer)
+
+    def peak_memory_mib(self) -> list[float]:
+        """Peak memory of each rank in MiB (resident on CPU, allocated on a GPU)."""
+        with self._lock:
+            return self.engine.memory()
 
     def expert_load(self) -> ExpertLoadReport:
         """Which experts and ranks received how many token copies since loading (or the last reset)."""
-        counts, entropy, received = self.engine.load_stats()
-        placement = self.info.get("placement") or Placement.default(self.config.n_layers, self.config.n_experts, 1)
+        with self._lock:
+            counts, entropy, received = self.engine.load_stats()
+        placement = self.info.placement or Placement.default(self.config.n_layers, self.config.n_experts, 1)
         tokens = int(counts.sum()) // (self.config.top_k * self.config.n_layers)
         return ExpertLoadReport(counts, placement, float(entropy), tokens, received)
 
     def reset_expert_load(self) -> None:
-        self.engine.reset_load_stats()
+        with self._lock:
+            self.engine.reset_load_stats()
 
     def set_debug_routing(self, round_robin: bool) -> None:
         """Round-robin routing (copy j of token t to expert (t*K+j) % E): exact, predictable loads for tests."""
-        self.engine.set_round_robin(round_robin)
+        with self._lock:
+            self.engine.set_round_robin(round_robin)
 
     def close(self) -> None:
         self.engine.close()

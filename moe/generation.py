@@ -1,8 +1,8 @@
 """Batched generation over any engine: left padding, prefill, then one token per step.
 
-The loop is the same on one rank and on N: an engine runs the forward pass (the head's rank gets the
-logits, other ranks None) and shares the sampled tokens from the head's rank, so every rank takes
-the same control-flow decisions (continue, stop at EOS) from the same broadcast tokens.
+The loop is the same on one rank and on N: a stepper (an engine's stepping half) runs the forward
+pass (the head's rank gets the logits, other ranks None) and shares the sampled tokens from the head's
+rank, so every rank takes the same control-flow decisions (continue, stop at EOS) from the same tokens.
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
 
-class Engine(Protocol):
+class Stepper(Protocol):
+    """What the generation loop needs of an engine: a cache, a forward pass of new tokens, and the sampled
+    tokens shared from the rank that holds the head (logits are None on the other ranks)."""
+
     def start(self, batch: int, length: int) -> None: ...
     def forward_last(self, tokens_BS: torch.Tensor, start: int, pad_B: torch.Tensor) -> torch.Tensor | None: ...
     def share(self, tokens_B: torch.Tensor) -> torch.Tensor: ...
@@ -93,7 +96,7 @@ class GenerationResult:
         return sum(len(t) for t in self.tokens)
 
 
-def generate_tokens(engine: Engine, prompts: list[list[int]], params: SamplingParams, eos_id: int | None,
+def generate_tokens(engine: Stepper, prompts: list[list[int]], params: SamplingParams, eos_id: int | None,
                     context: int, on_token: Callable[[int, int], None] | None = None) -> GenerationResult:
     """Generate for a batch; `on_token(prompt_index, token)` sees each new token as it comes."""
     t0 = time.perf_counter()

@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from moe.bench_models import SIZES, write_sized_checkpoint  # noqa: E402
-from moe.benchmark import (  # noqa: E402
+from moe.bench.sizes import SIZES, write_sized_checkpoint  # noqa: E402
+from moe.bench.speed import (  # noqa: E402
     NEW_TOKENS,
     PREFILL,
     checkpoint_config,
@@ -40,7 +40,7 @@ from moe.benchmark import (  # noqa: E402
     read_bandwidth,
     warm_page_cache,
 )
-from moe.cli import run_command  # noqa: E402
+from moe.cli.generate import run_command  # noqa: E402
 
 ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -66,7 +66,7 @@ def run_case(args: argparse.Namespace, impl: str, gpus: int, path: Path) -> dict
 
 
 def case_main(args: argparse.Namespace) -> None:
-    from moe.benchmark import ours, transformers_case
+    from moe.bench.speed import ours, transformers_case
 
     if args.case.startswith("ours"):
         attention = "replicated" if args.case == "ours-replicated" else "owner"

@@ -22,10 +22,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe.api import MoEModel  # noqa: E402
-from moe.bench_models import SIZES, write_sized_checkpoint  # noqa: E402
+from moe.bench.sizes import SIZES, write_sized_checkpoint  # noqa: E402
 from moe.checkpoint.convert import parse_size  # noqa: E402
 from moe.checkpoint.reshard import reshard  # noqa: E402
-from moe.placement import Placement  # noqa: E402
+from moe.parallel.placement import Placement  # noqa: E402
 
 
 def load_once(path: Path, gpus: int) -> list[dict]:
@@ -37,7 +37,10 @@ def load_once(path: Path, gpus: int) -> list[dict]:
     t0 = time.perf_counter()
     with MoEModel.from_pretrained(path, gpus=gpus) as model:
         wall = time.perf_counter() - t0
-        return [r | {"wall_seconds": wall} for r in model.engine.group.ready]
+        i = model.info
+        return [{"rank": r, "baseline_mib": i.baseline_mib[r], "loaded_peak_mib": i.loaded_peak_mib[r],
+                 "bytes_read": i.bytes_read[r], "files_read": i.files_read[r], "load_seconds": i.load_seconds[r],
+                 "wall_seconds": wall} for r in range(i.ranks)]
 
 
 def main() -> None:
@@ -89,8 +92,8 @@ def single(path: str) -> None:
     model = MoEModel.from_pretrained(path)
     wall = time.perf_counter() - t0
     print(json.dumps({"rank": 0, "baseline_mib": baseline, "loaded_peak_mib": peak_memory_mib(),
-                      "bytes_read": model.info["bytes_read"], "files_read": model.info["files_read"],
-                      "load_seconds": model.info["load_seconds"], "wall_seconds": wall}))
+                      "bytes_read": model.info.bytes_read, "files_read": model.info.files_read,
+                      "load_seconds": model.info.load_seconds[0], "wall_seconds": wall}))
 
 
 if __name__ == "__main__":

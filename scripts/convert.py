@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe.checkpoint.convert import convert_checkpoint, parse_size  # noqa: E402
-from moe.cli import run_command  # noqa: E402
+from moe.cli.generate import run_command  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from moe import MoEModel  # noqa: E402
-from moe.cli import run_command  # noqa: E402
-from moe.corpus import read_documents  # noqa: E402
+from moe.cli.generate import run_command  # noqa: E402
 from moe.evaluation import score_text  # noqa: E402
+from moe.training.corpus import read_documents  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -19,8 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe import MoEModel  # noqa: E402
-from moe.corpus import read_documents  # noqa: E402
 from moe.evaluation import score_text, token_stream, windows  # noqa: E402
+from moe.training.corpus import read_documents  # noqa: E402
 
 PROMPTS = ["It is a truth universally acknowledged, that", "Elizabeth looked at her sister and said,",
            "And God said to Moses,", "The weather was so fine that"]

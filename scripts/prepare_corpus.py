@@ -15,7 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe.corpus import (  # noqa: E402
+from moe.tokenizer import train_tokenizer  # noqa: E402
+from moe.training.corpus import (  # noqa: E402
     CorpusError,
     austen_documents,
     bbe_documents,
@@ -23,7 +24,6 @@ from moe.corpus import (  # noqa: E402
     split_documents,
     write_documents,
 )
-from moe.tokenizer import train_tokenizer  # noqa: E402
 
 
 def main() -> int:

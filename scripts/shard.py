@@ -21,8 +21,8 @@ from moe.api import resolve_placement  # noqa: E402
 from moe.checkpoint.convert import parse_size  # noqa: E402
 from moe.checkpoint.formats import detect  # noqa: E402
 from moe.checkpoint.reshard import reshard  # noqa: E402
-from moe.cli import run_command  # noqa: E402
-from moe.placement import Placement  # noqa: E402
+from moe.cli.generate import run_command  # noqa: E402
+from moe.parallel.placement import Placement  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -17,11 +17,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.config import ConfigError  # noqa: E402
 from moe.checkpoint.files import CheckpointError  # noqa: E402
-from moe.launcher import RankFailure  # noqa: E402
-from moe.placement import PlacementError  # noqa: E402
+from moe.parallel.placement import PlacementError  # noqa: E402
 from moe.tokenizer import Tokenizer  # noqa: E402
-from moe.trainer import TrainJob, run_training  # noqa: E402
-from moe.training import TrainSettings  # noqa: E402
+from moe.training.steps import TrainSettings  # noqa: E402
+from moe.training.trainer import TrainJob, run_training  # noqa: E402
+from moe.workers.group import RankFailure  # noqa: E402
 
 
 def main() -> int:

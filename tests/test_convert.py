@@ -37,7 +37,7 @@ def test_bf16_conversion_within_bf16_tolerance(source, tmp_path):
                            str(tmp_path / "bf16"), "--dtype", "bfloat16"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     model = MoEModel.from_pretrained(tmp_path / "bf16")
-    assert model.info["dtype"] == "bfloat16"  # the saved config records it
+    assert model.info.dtype == "bfloat16"  # the saved config records it
     full = logits(source)
     half = logits(tmp_path / "bf16", dtype="float32").float()  # bf16-rounded weights, fp32 compute
     assert (half - full).abs().max().item() < 0.05 * full.abs().max().item()

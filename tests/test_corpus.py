@@ -9,7 +9,7 @@ import zlib
 
 import pytest
 
-from moe.corpus import (
+from moe.training.corpus import (
     AUSTEN_RDB,
     BBE_MODULE,
     CorpusError,
@@ -81,7 +81,7 @@ def test_bible_chapters_from_verse_numbers(tmp_path):
 
 
 def test_holdout_and_round_trip_through_text_files(tmp_path):
-    from moe.corpus import Document
+    from moe.training.corpus import Document
 
     docs = [Document(str(i), f"paragraph {i}\nsecond {i}") for i in range(40)]
     train, valid = split_documents(docs, 20)

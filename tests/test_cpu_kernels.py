@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from models import cpu_kernels
 from models.basic import Linear
-from models.moe import GroupedExperts
+from models.mixture import GroupedExperts
 from moe import MoEModel
 from tests.checkpoints import TRAINED
 
@@ -73,7 +73,7 @@ def test_onednn_and_torch_kernels_give_the_same_answer_and_save_the_same_weights
     ids = torch.tensor([[1, 45, 312, 9, 77, 1000, 3, 4]])
     plain = MoEModel.from_pretrained(TRAINED, cpu_kernels="torch")
     packed = MoEModel.from_pretrained(TRAINED)  # the default
-    assert packed.info["cpu_kernels"] == "onednn"
+    assert packed.info.cpu_kernels == "onednn"
     assert all(m.packed is not None for m in packed.engine.model.modules() if isinstance(m, Linear | GroupedExperts))
     assert (packed(ids) - plain(ids)).abs().max().item() < 1e-4
     assert packed.generate(prompts, max_new_tokens=24, ignore_eos=True) == plain.generate(

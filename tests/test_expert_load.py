@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from moe import MoEModel
-from moe.placement import Placement
-from moe.planner import plan_block, plan_placement, predicted_imbalance
+from moe.parallel.placement import Placement
+from moe.reports.planner import plan_block, plan_placement, predicted_imbalance
 from tests.checkpoints import ROOT, tiny_config, write_checkpoint
 
 
@@ -44,7 +44,7 @@ def test_exact_counts_under_round_robin_routing_on_one_rank(ckpt, tmp_path):
 def test_exact_counts_identical_on_every_rank(ckpt, tmp_path):
     with MoEModel.from_pretrained(ckpt, gpus=3) as model:
         run_round_robin(model)
-        per_rank = model.engine.load_stats_per_rank()
+        per_rank = model.engine.each_rank("load_stats")
         report = model.expert_load()
     for counts, _, received in per_rank[1:]:
         assert torch.equal(counts, per_rank[0][0]) and torch.equal(received, per_rank[0][2])

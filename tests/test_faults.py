@@ -12,7 +12,7 @@ import time
 import pytest
 
 from moe import MoEModel
-from moe.launcher import RankFailure
+from moe.workers.group import RankFailure
 from tests.checkpoints import ROOT, SHIPPED
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -28,7 +28,7 @@ def alive(pid: int) -> bool:
 
 def test_kill_9_of_one_rank_mid_generation_stops_all():
     model = MoEModel.from_pretrained(SHIPPED, gpus=3)
-    pids = model.engine.group.pids
+    pids = model.info.pids
     victim = pids[1]
     killed_at = []
 
@@ -46,7 +46,7 @@ def test_kill_9_of_one_rank_mid_generation_stops_all():
 
 def test_a_rank_that_raises_stops_all():
     model = MoEModel.from_pretrained(SHIPPED, gpus=3)
-    pids = model.engine.group.pids
+    pids = model.info.pids
     t0 = time.monotonic()
     with pytest.raises(RankFailure) as e:
         model.engine.group.call("fail", 2)  # rank 2 raises while ranks 0 and 1 wait in a barrier
@@ -70,11 +70,11 @@ def test_busy_port_fails_at_once():
 
 def test_workers_stop_on_close_and_at_interpreter_exit():
     with MoEModel.from_pretrained(SHIPPED, gpus=2) as model:
-        pids = model.engine.group.pids
+        pids = model.info.pids
         assert all(alive(p) for p in pids)
     assert not any(alive(p) for p in pids)
     code = (f"from moe import MoEModel; m = MoEModel.from_pretrained({str(SHIPPED)!r}, gpus=2); "
-            "print(*m.engine.group.pids); print(m.generate(['In the'], max_new_tokens=3))")
+            "print(*m.info.pids); print(m.generate(['In the'], max_new_tokens=3))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     pids = [int(p) for p in proc.stdout.splitlines()[0].split()]
@@ -111,7 +111,7 @@ def test_cli_exits_non_zero_naming_the_killed_rank():
     # Wait for generation to start (the prompt is echoed once the ranks are up), then kill one rank.
     while "And God said" not in proc.stdout.readline():
         assert proc.poll() is None, proc.stderr.read()
-    ranks = [c for c in children(proc.pid) if "spawn_main" in open(f"/proc/{c}/cmdline").read()]
+    ranks = [c for c in children(proc.pid) if "moe.workers.entry" in open(f"/proc/{c}/cmdline").read()]
     assert len(ranks) == 3
     os.kill(ranks[1], signal.SIGKILL)
     _, err = proc.communicate(timeout=30)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.moe import GroupedExperts, MoEFeedForward, Router, group_by_expert
+from models.mixture import GroupedExperts, MoEFeedForward, Router, group_by_expert
 from tests.checkpoints import tiny_config
 
 

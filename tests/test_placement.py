@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe.expert_parallel import SlotTable, chunk_order
-from moe.placement import Placement, PlacementError, balanced_ranges
+from moe.parallel.dispatch import SlotTable, chunk_order
+from moe.parallel.placement import Placement, PlacementError, balanced_ranges
 
 
 def test_balanced_ranges():

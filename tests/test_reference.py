@@ -69,7 +69,7 @@ def test_half_precision_logits_close_to_transformers(dtype, tmp_path):
     hf = hf_model("mixtral")
     hf.save_pretrained(tmp_path / "hf")
     model = MoEModel.from_pretrained(tmp_path / "hf", dtype=str(dtype).removeprefix("torch."))
-    assert model.info["dtype"] == str(dtype).removeprefix("torch.")
+    assert model.info.dtype == str(dtype).removeprefix("torch.")
     ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = hf.to(dtype)(ids).logits.float()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moe import MoEModel
-from moe.placement import Placement
+from moe.parallel.placement import Placement
 from tests.checkpoints import tiny_config, write_checkpoint
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -46,7 +46,7 @@ def test_n_ranks_give_the_one_rank_answer(reference, gpus):
 def test_replicated_attention_gives_the_one_rank_answer(reference, gpus):
     # 3 prompts over 4 ranks: one rank has no sequence and still takes part in every exchange.
     model = check_same_as_one_rank(reference, gpus=gpus, attention="replicated")
-    names = set(model.info["rank_params"][gpus - 1])
+    names = set(model.info.rank_params[gpus - 1])
     assert {"tok_embeddings.weight", "output.weight", "layers.0.attention.wq.weight"} <= names  # dense on every rank
 
 
@@ -65,8 +65,8 @@ def test_each_rank_holds_only_its_tensors(reference):
     cfg = MoEModel.from_pretrained(path).config
     plan = Placement.default(cfg.n_layers, cfg.n_experts, 3)
     with MoEModel.from_pretrained(path, gpus=3) as model:
-        rank_params = model.info["rank_params"]
-        bytes_read = model.info["bytes_read"]
+        rank_params = model.info.rank_params
+        bytes_read = model.info.bytes_read
     for rank, names in enumerate(rank_params):
         expected = set()
         if rank == plan.embed_rank:

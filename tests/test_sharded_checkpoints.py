@@ -15,7 +15,7 @@ import moe.checkpoint.reshard as reshard_module
 from moe import MoEModel
 from moe.checkpoint.files import HF_INDEX
 from moe.checkpoint.reshard import reshard
-from moe.placement import Placement
+from moe.parallel.placement import Placement
 from tests.checkpoints import ROOT, hf_model, tiny_config, write_checkpoint
 
 CFG = tiny_config(n_layers=3, n_experts=6, top_k=2)
@@ -43,7 +43,7 @@ def test_save_on_four_ranks_loads_on_one_and_three(source, tmp_path):
     out = tmp_path / "saved"
     with MoEModel.from_pretrained(path, gpus=4) as model:
         written = model.save_pretrained(out, max_shard_size="30KB")
-        held = model.info["bytes_read"]
+        held = model.info.bytes_read
     index = json.loads((out / HF_INDEX).read_text())
     files = tensor_names(out)
     assert set(index["weight_map"].values()) == set(files) and len(files) > 4
@@ -85,7 +85,7 @@ def test_rank_aligned_shards_are_opened_only_by_their_rank(source, tmp_path):
     assert all(len(ranks) == 1 for ranks in readers.values())  # no replicas, no tied weights: nothing shared
     with MoEModel.from_pretrained(tmp_path / "aligned", gpus=4) as model:
         assert (model(IDS) - want).abs().max().item() < 1e-5
-        for rank, opened in enumerate(model.info["files_read"]):
+        for rank, opened in enumerate(model.info.files_read):
             assert opened and all(readers[f] == [rank] for f in opened)
 
 

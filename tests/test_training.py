@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from models.config import ModelConfig
-from moe.distributed import init_process_group, single_process
-from moe.launcher import run_ranks
-from moe.placement import Placement
-from moe.training import (
+from moe.parallel.distributed import init_process_group, single_process
+from moe.parallel.placement import Placement
+from moe.training.steps import (
     TrainSettings,
     clip_grads,
     forward_backward,
@@ -19,6 +18,7 @@ from moe.training import (
     shard_experts,
     sync_dense_grads,
 )
+from moe.workers.group import run_ranks
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=48, vocab_size=101,
                   n_experts=4, top_k=2, max_seq_len=64, rope_theta=10000.0)
@@ -29,7 +29,7 @@ def one_step(ctx) -> dict:
     torch.manual_seed(0)
     model = init_model(CFG, SETTINGS.seed)
     if ctx.distributed:
-        shard_experts(model, Placement.default(CFG.n_layers, CFG.n_experts, ctx.world_size), ctx.rank)
+        shard_experts(model, Placement.default(CFG.n_layers, CFG.n_experts, ctx.world_size), ctx)
     model.train()
     stream = torch.randint(0, CFG.vocab_size, (500,), generator=torch.Generator().manual_seed(1))
     batch = sample_batch(stream, SETTINGS.batch_size, SETTINGS.seq_len, step=0, seed=SETTINGS.seed)

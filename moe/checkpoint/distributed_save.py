@@ -12,7 +12,6 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 
 from models.config import ModelConfig
@@ -28,15 +27,7 @@ from moe.checkpoint.writer import (
     to_external,
     write_index,
 )
-from moe.distributed import DistContext
-
-
-def gather(obj, ctx: DistContext) -> list:
-    if not ctx.distributed:
-        return [obj]
-    out = [None] * ctx.world_size
-    dist.all_gather_object(out, obj)
-    return out
+from moe.parallel.distributed import DistContext
 
 
 def stacked_expert_ids(model: torch.nn.Module) -> dict[str, list[int]]:
@@ -96,7 +87,7 @@ def save_distributed(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Pa
         for name, t in layout.items():
             for ext, view in to_external({name: t}, cfg, HF, expert_ids).items():
                 tensors[ext], source[ext] = view, name
-    holders = gather(sorted(tensors), ctx)
+    holders = ctx.all_gather_object(sorted(tensors))
     first_holder = {}
     for rank, names in enumerate(holders):
         for n in names:
@@ -104,20 +95,19 @@ def save_distributed(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Pa
     mine = {n: t for n, t in tensors.items() if first_holder[n] == ctx.rank}
 
     # Rank 0 makes the partial directory and tells the others (or tells them why it could not).
-    made: list[object] = [None]
+    made: object = None
     if ctx.rank == 0:
         try:
-            made[0] = str(make_partial_dir(out_dir))
+            made = str(make_partial_dir(out_dir))
         except CheckpointError as e:
-            made[0] = e
-    if ctx.distributed:
-        dist.broadcast_object_list(made, src=0)
-    if isinstance(made[0], Exception):
-        raise made[0]
-    tmp = Path(made[0])
+            made = e
+    made = ctx.broadcast_object(made, src=0)
+    if isinstance(made, Exception):
+        raise made
+    tmp = Path(made)
     try:
         shards = plan_shards(nbytes(mine), max_shard_bytes) if mine else []
-        counts = gather(len(shards), ctx)
+        counts = ctx.all_gather_object(len(shards))
         total_files, first = sum(counts), sum(counts[:ctx.rank])
         weight_map, files = {}, []
         for i, names in enumerate(shards):
@@ -126,15 +116,13 @@ def save_distributed(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Pa
             weight_map.update(dict.fromkeys(names, fname))
             files.append(fname)
         written = sum(nbytes(mine).values())
-        maps = gather((weight_map, written, dtype_name(tensors) if tensors else None), ctx)
-        if ctx.distributed:
-            dist.barrier()  # every rank's files are complete before the index names them
+        maps = ctx.all_gather_object((weight_map, written, dtype_name(tensors) if tensors else None))
+        ctx.barrier()  # every rank's files are complete before the index names them
         if ctx.rank == 0:
             write_index(tmp, {k: v for m, _, _ in maps for k, v in m.items()}, sum(b for _, b, _ in maps))
             dtype = next(d for _, _, d in maps if d is not None)
             finish_checkpoint(tmp, out_dir, cfg, dtype, tokenizer)
-        if ctx.distributed:
-            dist.barrier()
+        ctx.barrier()
     except BaseException:
         if ctx.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -7,6 +7,7 @@ and assign them. A rank never touches the bytes of blocks or experts it does not
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -24,6 +25,7 @@ from moe.checkpoint.formats import (
     needs_rope_permute,
     to_half_split,
 )
+from moe.progress import Progress, silent
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -65,6 +67,15 @@ SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.
                       "U8": torch.uint8, "BOOL": torch.bool}
 
 
+def writable_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a writable buffer, for `readinto` (no numpy needed)."""
+    assert t.device.type == "cpu" and t.is_contiguous(), (t.device, t.is_contiguous())
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
 class TensorReader:
     """Reads named tensors straight from the files into preallocated tensors.
 
@@ -73,10 +84,12 @@ class TensorReader:
     """
 
     def __init__(self, tensors: dict[str, TensorInfo], stack: ExitStack,
-                 on_file_done: Callable[[Path, int, int], None] | None = None) -> None:
+                 on_file_done: Callable[[Path, int, int], None] | None = None,
+                 on_read: Callable[[int], None] | None = None) -> None:
         self.tensors, self.stack, self.handles = tensors, stack, {}
         self.bytes_read = 0
         self.on_file_done = on_file_done  # (file, files done, files to read), when its last needed tensor is in
+        self.on_read = on_read  # bytes of each tensor read
         self.remaining: dict[Path, int] = {}
 
     def expect(self, names: list[str]) -> None:
@@ -97,7 +110,7 @@ class TensorReader:
 
     def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
         info = self.tensors[name]
-        buf = out.view(-1).view(torch.uint8).numpy()
+        buf = writable_bytes(out)
         if buf.nbytes != info.nbytes:
             raise CheckpointError(f"{info.file.name}: tensor {name} holds {info.nbytes} bytes, "
                                   f"its dtype and shape need {buf.nbytes}")
@@ -112,6 +125,8 @@ class TensorReader:
         if got != info.nbytes:
             raise CheckpointError(f"{info.file.name}: file is truncated inside tensor {name}")
         self.bytes_read += got
+        if self.on_read is not None:
+            self.on_read(got)
         if info.file in self.remaining:
             self.remaining[info.file] -= 1
             if self.remaining[info.file] == 0 and self.on_file_done is not None:
@@ -136,12 +151,13 @@ def needed_sources(model: nn.Module, fmt: str, cfg) -> dict[str, list[str]]:
 
 
 def load_into(model: nn.Module, ckpt: CheckpointFormat, directory: str | Path, full_shapes: dict[str, torch.Size],
-              dtype: torch.dtype, device: torch.device | str,
-              progress: Callable[[str], None] | None = None) -> dict[str, float]:
+              dtype: torch.dtype, device: torch.device | str, progress: Progress | None = None) -> dict[str, float]:
     """Load this rank's tensors into `model` (built on meta, already pruned to what the rank holds).
 
-    `progress` gets one line per checkpoint file as the last tensor this rank needs from it is read.
+    `progress` counts the bytes read, with a line per checkpoint file as the last tensor this rank needs
+    from it is read.
     """
+    progress = progress or silent()
     t0 = time.perf_counter()
     tensors = index_tensors(Path(directory), ckpt.weight_files)
     check_names_and_shapes(ckpt, full_shapes, tensors)
@@ -150,12 +166,14 @@ def load_into(model: nn.Module, ckpt: CheckpointFormat, directory: str | Path, f
     state, by_source = {}, {}
 
     def file_done(path: Path, done: int, total: int) -> None:
-        progress(f"loaded {path.name} ({done}/{total} files, {reader.bytes_read / 2**20:.1f} MiB, "
+        progress.note(f"loaded {path.name} ({done}/{total} files, {reader.bytes_read / 2**20:.1f} MiB, "
                  f"{time.perf_counter() - t0:.2f} s)")
 
     with ExitStack() as stack:
-        reader = TensorReader(tensors, stack, file_done if progress else None)
-        reader.expect(sorted({s for names in sources.values() for s in names}))
+        reader = TensorReader(tensors, stack, file_done, progress.update)
+        needed = sorted({s for names in sources.values() for s in names})
+        reader.expect(needed)
+        stack.enter_context(progress.start(sum(tensors[n].nbytes for n in needed)))
         for name, param in model.state_dict(keep_vars=True).items():
             if is_stacked_expert(name):
                 names = sources[name]

@@ -20,8 +20,8 @@ from moe.checkpoint.files import index_tensors
 from moe.checkpoint.formats import HF, detect, external_name, is_stacked_expert, needs_rope_permute, to_half_split
 from moe.checkpoint.loader import SAFETENSORS_DTYPES, TensorReader, needed_sources
 from moe.checkpoint.writer import finish_checkpoint, make_partial_dir, plan_shards, shard_file_name, write_index
-from moe.placement import Placement
-from moe.sharded import apply_placement
+from moe.parallel.placement import Placement
+from moe.parallel.sharding import apply_placement
 
 
 @dataclass(frozen=True)

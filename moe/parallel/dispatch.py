@@ -4,16 +4,19 @@ Shapes: T tokens at this rank, K top-k, N = T*K copies, D model dim, R ranks, M 
 any rank holds in this block. A *slot* is one replica of one expert on one rank; its global id is
 `rank * M + local index`, so sorting copies by slot groups them by destination rank, then by expert.
 
-Per block and step, on every rank, in the same order (invariant 2): one all-to-all of slot counts,
-one of token rows out, one of results back. A rank with no tokens sends zero rows but still takes part.
+Per block and step, on every rank, in the same order (invariant "lock-step collectives"): one all-to-all
+of slot counts, one of token rows out (`dispatch`), one of results back (`combine`). A rank with no tokens
+sends zero rows but still takes part.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
+from dataclasses import dataclass
 
-from models.moe import GroupedExperts, Grouping, combine
+import torch
+
+from models.mixture import Dispatched, weighted_sum
+from moe.parallel.distributed import DistContext
 
 
 class SlotTable:
@@ -28,6 +31,7 @@ class SlotTable:
             for j, r in enumerate(ranks):
                 table[e, j] = r * self.slots_per_rank + local[r].index(e)
         self.slot_of = table  # [E, max replicas]
+        self.local = local  # global ids of the experts each rank holds, in slot order
         self.replicated = bool((self.n_replicas > 1).any())
         self.seen = torch.zeros(len(expert_ranks), dtype=torch.long)  # copies routed so far, per expert
 
@@ -58,61 +62,68 @@ def chunk_order(counts_RM: torch.Tensor) -> torch.Tensor:
     return torch.sort(key, stable=True).indices
 
 
-def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits)
-    return out
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], dist: DistContext) -> torch.Tensor:
+    return dist.all_to_all(x.new_empty((sum(out_splits), *x.shape[1:])), x, out_splits, in_splits)
 
 
 class _Exchange(torch.autograd.Function):
     """The gradient of an all-to-all is the all-to-all back: rows return to where they came from."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
-        ctx.splits = (out_splits, in_splits)
-        return _all_to_all(x, out_splits, in_splits)
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], dist: DistContext) -> torch.Tensor:
+        ctx.splits, ctx.dist = (out_splits, in_splits), dist
+        return _all_to_all(x, out_splits, in_splits, dist)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
-        return _all_to_all(grad, in_splits, out_splits), None, None
+        return _all_to_all(grad, in_splits, out_splits, ctx.dist), None, None, None
 
 
-def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], dist: DistContext) -> torch.Tensor:
     """Variable-size all-to-all of rows; differentiable when gradients are needed (training)."""
     if torch.is_grad_enabled() and x.requires_grad:
-        return _Exchange.apply(x, out_splits, in_splits)
-    return _all_to_all(x, out_splits, in_splits)
+        return _Exchange.apply(x, out_splits, in_splits, dist)
+    return _all_to_all(x, out_splits, in_splits, dist)
+
+
+@dataclass
+class Exchanged(Dispatched):
+    """`Dispatched` plus what the way back needs: rows per peer rank each way, and the arrival order."""
+
+    sent_R: list[int]  # rows this rank sent to each rank (and gets back from it)
+    received_R: list[int]  # rows this rank received from each rank (and returns to it)
+    by_slot_M: torch.Tensor  # permutation from arrival order (source, slot) to expert order (slot, source)
 
 
 class AllToAllDispatcher:
-    """Group copies by destination slot, exchange, run local experts, exchange back, combine at the sender."""
+    """Send each copy to the rank holding its expert, grouped by slot; bring the results back and sum them."""
 
-    def __init__(self, table: SlotTable, world_size: int) -> None:
-        self.table, self.world_size = table, world_size
+    def __init__(self, table: SlotTable, dist: DistContext) -> None:
+        self.table, self.dist = table, dist
+        self.n_local = len(table.local[dist.rank])
         self.last_split_sizes: tuple[list[int], list[int]] = ([], [])  # (sent, received) rows, for inspection
         self.received_rows = 0  # token copies this rank's experts computed, for measured load reports
 
-    def __call__(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
-                 experts: GroupedExperts, n_experts: int, counts_E: torch.Tensor | None = None) -> torch.Tensor:
-        """`counts_E` (copies per expert) is unused here: the exchange needs copies per slot."""
-        R, M = self.world_size, self.table.slots_per_rank
+    def dispatch(self, x_TD: torch.Tensor, weights_TK: torch.Tensor,
+                 ids_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Exchanged]:
+        """(rows for this rank's experts grouped by local expert, rows per local expert, metadata)."""
+        R, M = self.dist.world_size, self.table.slots_per_rank
         slot_N = self.table.slots(ids_TK.reshape(-1))
-        order = torch.sort(slot_N, stable=True).indices
-        # Grouped by slot rather than by expert: counts_E holds copies per slot here.
-        grouping = Grouping(order_N=order, token_N=order // max(ids_TK.shape[1], 1),
-                            counts_E=torch.bincount(slot_N, minlength=R * M))
-        send_RM = grouping.counts_E.view(R, M)
-        recv_RM = torch.empty_like(send_RM)
-        dist.all_to_all_single(recv_RM, send_RM)
+        order_N = torch.sort(slot_N, stable=True).indices  # grouped by slot = by destination rank, then expert
+        send_RM = torch.bincount(slot_N, minlength=R * M).view(R, M)
+        recv_RM = self.dist.all_to_all(torch.empty_like(send_RM), send_RM)
         # One host sync per block: the split sizes of the row exchange.
-        sizes = torch.stack([send_RM.sum(1), recv_RM.sum(1)]).tolist()
-        in_splits, out_splits = sizes
-        self.last_split_sizes = (in_splits, out_splits)
-        self.received_rows += sum(out_splits)
-        rows = exchange(x_TD[grouping.token_N], out_splits, in_splits)  # [received, D], by (source, slot)
-        perm = chunk_order(recv_RM)
-        y = experts(rows[perm], recv_RM.sum(0)[: len(experts.expert_ids)])  # grouped by local expert
-        y_back = y[torch.argsort(perm)]  # back to (source, slot) order
-        returned = exchange(y_back, in_splits, out_splits)  # [sent, D], in this rank's send order
-        return combine(returned, weights_TK, grouping, x_TD.shape[0])
+        sent_R, received_R = torch.stack([send_RM.sum(1), recv_RM.sum(1)]).tolist()
+        self.last_split_sizes = (sent_R, received_R)
+        self.received_rows += sum(received_R)
+        token_N = order_N // max(ids_TK.shape[1], 1)
+        rows = exchange(x_TD[token_N], received_R, sent_R, self.dist)  # [received, D], by (source, slot)
+        by_slot = chunk_order(recv_RM)
+        meta = Exchanged(token_N, weights_TK.reshape(-1)[order_N], x_TD.shape[0], sent_R, received_R, by_slot)
+        return rows[by_slot], recv_RM.sum(0)[: self.n_local], meta
+
+    def combine(self, y_ND: torch.Tensor, meta: Exchanged) -> torch.Tensor:
+        y_back = y_ND[torch.argsort(meta.by_slot_M)]  # back to (source, slot) order
+        returned = exchange(y_back, meta.sent_R, meta.received_R, self.dist)  # [sent, D], in our send order
+        return weighted_sum(returned, meta)

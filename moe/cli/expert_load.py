@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 
 from moe.api import MoEModel
-from moe.cli import read_prompts, run_command
-from moe.load_report import ExpertLoadReport
-from moe.placement import Placement
-from moe.planner import plan_placement, predicted_imbalance
+from moe.cli.common import read_prompts, run_command
+from moe.parallel.placement import Placement
+from moe.reports.expert_load import ExpertLoadReport
+from moe.reports.planner import plan_placement, predicted_imbalance
 
 
 def report_out(report: ExpertLoadReport, out_dir: str | Path) -> None:

@@ -15,15 +15,14 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from models.basic import init_weights
 from models.config import ModelConfig
 from models.transformer import Transformer
-from moe.distributed import DistContext
-from moe.placement import Placement, PlacementError
-from moe.sharded import apply_expert_placement
+from moe.parallel.distributed import DistContext
+from moe.parallel.placement import Placement, PlacementError
+from moe.parallel.sharding import apply_expert_placement, use_all_to_all
 
 
 @dataclass(frozen=True)
@@ -52,12 +51,13 @@ def init_model(cfg: ModelConfig, seed: int) -> Transformer:
     return model
 
 
-def shard_experts(model: Transformer, placement: Placement, rank: int) -> None:
+def shard_experts(model: Transformer, placement: Placement, ctx: DistContext) -> None:
     """Keep this rank's experts of every block (their initial weights) and route through the all-to-all."""
     if any(len(r) > 1 for block in placement.expert_ranks for r in block):
         raise PlacementError("training needs one replica per expert (replicas would need their own grad sync)")
     full = {name: block.feed_forward.experts for name, block in model.layers.items()}
-    apply_expert_placement(model, placement, rank, device="cpu")
+    apply_expert_placement(model, placement, ctx.rank, device=ctx.device)
+    use_all_to_all(model, placement, ctx)
     with torch.no_grad():
         for name, block in model.layers.items():
             local = block.feed_forward.experts
@@ -85,8 +85,7 @@ def balance_loss(model: Transformer, dist_ctx: DistContext, global_tokens: int) 
         logits = gate.last_logits_TE
         E, K = gate.n_experts, gate.top_k
         counts = torch.bincount(logits.topk(K, dim=-1).indices.reshape(-1), minlength=E).float()
-        if dist_ctx.distributed:
-            dist.all_reduce(counts)
+        dist_ctx.all_reduce(counts)
         f = counts / (global_tokens * K)
         total = total + E * (f * torch.softmax(logits, dim=-1).sum(0)).sum() / global_tokens
         gate.last_logits_TE = None
@@ -129,7 +128,7 @@ def sync_dense_grads(model: Transformer, dist_ctx: DistContext) -> None:
         return
     grads = [p.grad for n, p in model.named_parameters() if not is_expert_param(n) and p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
+    dist_ctx.all_reduce(flat)
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -150,7 +149,7 @@ def clip_grads(model: Transformer, max_norm: float, dist_ctx: DistContext) -> fl
             dense_sq += sq
     if dist_ctx.distributed:
         expert_sq = expert_sq.to(dist_ctx.device)
-        dist.all_reduce(expert_sq)
+        dist_ctx.all_reduce(expert_sq)
         expert_sq = expert_sq.cpu()
     norm = float((dense_sq + expert_sq).sqrt())
     if max_norm > 0 and norm > max_norm:
@@ -169,8 +168,7 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BL: t
     norm = clip_grads(model, settings.grad_clip, dist_ctx)
     optimizer.step()
     stats = torch.stack([ce_sum.double(), balance.double()]).to(dist_ctx.device)
-    if dist_ctx.distributed:
-        dist.all_reduce(stats)
+    dist_ctx.all_reduce(stats)
     tokens = batch_BL.shape[0] * (batch_BL.shape[1] - 1)
     return StepResult(loss=float(stats[0]) / tokens, balance=float(stats[1]), grad_norm=norm)
 

@@ -124,3 +124,17 @@ def compress(items: list[int]) -> str:
         parts.append(str(items[i]) if i == j else f"{items[i]}-{items[j]}")
         i = j + 1
     return ",".join(parts)
+
+
+def resolve_placement(placement: Placement | str | Path | dict | None, n_layers: int, n_experts: int, ranks: int,
+                      blocks_per_rank: list[int] | None = None) -> Placement:
+    """A validated plan from a Placement, a JSON file, a dict, or the default (optionally per-rank block counts)."""
+    if placement is None:
+        plan = Placement.default(n_layers, n_experts, ranks, blocks_per_rank)
+    elif isinstance(placement, Placement):
+        plan = placement
+    elif isinstance(placement, dict):
+        plan = Placement.from_json(placement)
+    else:
+        plan = Placement.load(placement)
+    return plan.validate(n_layers, n_experts, ranks)

@@ -123,7 +123,7 @@ def ours(path: str, gpus: int, dtype: str, threads: int, repeats: int, attention
         model.reset_expert_load()
         model.generate(prompts(1, DECODE_PROMPT, V), max_new_tokens=NEW_TOKENS, ignore_eos=True)
         received = model.expert_load().rank_load().sum(dim=1)  # rows each block's experts computed
-        peak = model.engine.peak_memory_mib()
+        peak = model.peak_memory_mib()
     routed_per_token = (received / (DECODE_PROMPT + NEW_TOKENS - 1)).tolist()
     return {"load_s": load, "prefill_s": statistics.median(prefill), "ttft_s": statistics.median(prefill),
             "decode1_step_s": statistics.median(decode1), "decode8_step_s": statistics.median(decode8),

@@ -13,16 +13,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from models.config import ModelConfig
 from moe.checkpoint.distributed_save import save_distributed
-from moe.corpus import read_documents
-from moe.distributed import DistContext, single_process
 from moe.evaluation import Score, score_windows, token_stream, windows
-from moe.placement import Placement
+from moe.parallel.distributed import DistContext, single_process
+from moe.parallel.placement import Placement
 from moe.tokenizer import Tokenizer
-from moe.training import (
+from moe.training.corpus import read_documents
+from moe.training.steps import (
     TrainSettings,
     init_model,
     lr_at,
@@ -54,11 +53,7 @@ def say(ctx: DistContext, *args, **kwargs) -> None:
 
 def agree(value: float, ctx: DistContext) -> float:
     """Rank 0's value on every rank (decisions that depend on timing must be identical)."""
-    if not ctx.distributed:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
-    dist.broadcast(t, 0)
-    return float(t)
+    return float(ctx.broadcast(torch.tensor([value], dtype=torch.float64, device=ctx.device), 0))
 
 
 def validate(model, wins: list[torch.Tensor], ctx: DistContext, n_bytes_per_token: float) -> Score:
@@ -73,8 +68,7 @@ def validate(model, wins: list[torch.Tensor], ctx: DistContext, n_bytes_per_toke
         if j < len(wins):
             nats, tokens = nats + n, tokens + t
     total = torch.tensor([nats, tokens], dtype=torch.float64, device=ctx.device)
-    if ctx.distributed:
-        dist.all_reduce(total)
+    ctx.all_reduce(total)
     model.train()
     return Score(float(total[0]), int(total[1]), round(float(total[1]) * n_bytes_per_token))
 
@@ -92,7 +86,7 @@ def train(job: TrainJob, ctx: DistContext) -> dict:
     model = init_model(cfg, s.seed)
     n_params = sum(p.numel() for p in model.parameters())
     if ctx.distributed:
-        shard_experts(model, Placement.default(cfg.n_layers, cfg.n_experts, ctx.world_size), ctx.rank)
+        shard_experts(model, Placement.default(cfg.n_layers, cfg.n_experts, ctx.world_size), ctx)
     model.train()
     optimizer = make_optimizer(model, s)
     all_windows = windows(valid_stream, s.seq_len)
@@ -143,19 +137,19 @@ def train(job: TrainJob, ctx: DistContext) -> dict:
 
 
 def train_rank(rank: int, world_size: int, port: int, job: TrainJob) -> None:
-    from moe.distributed import init_process_group
+    from moe.parallel.distributed import init_process_group
 
     ctx = init_process_group(rank, world_size, "127.0.0.1", port)
     try:
         train(job, ctx)
     finally:
-        dist.destroy_process_group()
+        ctx.destroy()
 
 
 def run_training(job: TrainJob, world_size: int) -> None:
     if world_size == 1:
         train(job, single_process())
         return
-    from moe.launcher import run_ranks
+    from moe.workers.group import run_ranks
 
     run_ranks(train_rank, world_size, job)

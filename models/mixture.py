@@ -4,9 +4,9 @@ Shapes: T tokens, D model dim, F expert hidden dim, E experts (global), El exper
 N = T*K token copies.
 
 - `Router`: gate logits -> top-k expert ids and fp32 weights (softmax over the k chosen logits).
-- `LocalDispatcher`: groups the N copies by expert, lets the experts run, weights and sums the results.
-  Expert parallelism (`moe.expert_parallel`) swaps in a dispatcher that exchanges the grouped copies
-  between ranks; neither the router nor the experts change.
+- `LocalDispatcher`: `dispatch` groups the N copies by expert; `combine` weights and sums the results.
+  Expert parallelism (`moe.parallel.dispatch`) swaps in a dispatcher that also exchanges the grouped
+  copies between ranks; neither the router nor the experts change.
 - `GroupedExperts`: stacked SwiGLU weights `w1 [El, F, D]`, `w2 [El, D, F]`, `w3 [El, F, D]` for the
   global experts `expert_ids`; sees only copies already grouped by expert.
 """
@@ -127,44 +127,74 @@ class Grouping:
     counts_E: torch.Tensor  # copies per expert (global ids)
 
 
-def group_by_expert(ids_TK: torch.Tensor, n_experts: int, counts_E: torch.Tensor | None = None) -> Grouping:
+def group_by_expert(ids_TK: torch.Tensor, n_experts: int) -> Grouping:
     flat_ids = ids_TK.reshape(-1)
     # Stable sort keeps copies of one expert in token order, so results are deterministic.
     order = torch.sort(flat_ids, stable=True).indices
-    counts = counts_E if counts_E is not None else torch.bincount(flat_ids, minlength=n_experts)
+    counts = torch.bincount(flat_ids, minlength=n_experts)
     return Grouping(order_N=order, token_N=order // ids_TK.shape[1], counts_E=counts)
 
 
-def combine(y_ND: torch.Tensor, weights_TK: torch.Tensor, grouping: Grouping, n_tokens: int) -> torch.Tensor:
+@dataclass
+class Dispatched:
+    """What `combine` needs to undo a `dispatch`: which token and router weight each sent row carries.
+
+    A dispatcher that exchanges rows between ranks keeps its own extra state (split sizes, arrival order)
+    in a subclass; the fields here mean the same on every path.
+    """
+
+    token_N: torch.Tensor  # token index of each row, in the order rows were sent
+    weight_N: torch.Tensor  # router weight (fp32) of each row, same order
+    n_tokens: int  # T: rows of the combined output
+
+
+def weighted_sum(y_ND: torch.Tensor, meta: Dispatched) -> torch.Tensor:
     """Weight each expert result by its router weight and sum the K copies of every token."""
-    w_N = weights_TK.reshape(-1)[grouping.order_N, None]
-    weighted = (y_ND * w_N).to(y_ND.dtype)  # weights are fp32; cast like the reference before summing
-    out_TD = torch.zeros(n_tokens, y_ND.shape[1], dtype=y_ND.dtype, device=y_ND.device)
-    return out_TD.index_add_(0, grouping.token_N, weighted)
+    weighted = (y_ND * meta.weight_N[:, None]).to(y_ND.dtype)  # weights are fp32; cast like the reference
+    out_TD = torch.zeros(meta.n_tokens, y_ND.shape[1], dtype=y_ND.dtype, device=y_ND.device)
+    return out_TD.index_add_(0, meta.token_N, weighted)
 
 
 class LocalDispatcher:
-    """All experts are on this device: group, run, combine."""
+    """All experts are on this device: group the copies by expert, and sum them back per token."""
 
-    def __call__(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
-                 experts: GroupedExperts, n_experts: int, counts_E: torch.Tensor | None = None) -> torch.Tensor:
-        grouping = group_by_expert(ids_TK, n_experts, counts_E)
-        y_ND = experts(x_TD[grouping.token_N], grouping.counts_E)
-        return combine(y_ND, weights_TK, grouping, x_TD.shape[0])
+    def __init__(self, n_experts: int) -> None:
+        self.n_experts = n_experts
+
+    def dispatch(self, x_TD: torch.Tensor, weights_TK: torch.Tensor,
+                 ids_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Dispatched]:
+        """(rows grouped by expert [N, D], rows per expert [E], metadata for combine)."""
+        g = group_by_expert(ids_TK, self.n_experts)
+        meta = Dispatched(g.token_N, weights_TK.reshape(-1)[g.order_N], x_TD.shape[0])
+        return x_TD[g.token_N], g.counts_E, meta
+
+    def combine(self, y_ND: torch.Tensor, meta: Dispatched) -> torch.Tensor:
+        return weighted_sum(y_ND, meta)
 
 
 class MoEFeedForward(nn.Module):
+    """router -> dispatcher.dispatch -> experts -> dispatcher.combine. Expert parallelism swaps the
+    dispatcher (`moe.parallel.dispatch`) and slices the experts; the router never changes."""
+
     def __init__(self, cfg: ModelConfig, expert_ids: list[int] | None = None) -> None:
         super().__init__()
         self.n_experts = cfg.n_experts
         self.gate = Router(cfg.dim, cfg.n_experts, cfg.top_k)
         self.experts = GroupedExperts(cfg.dim, cfg.hidden_dim, expert_ids or list(range(cfg.n_experts)))
-        self.dispatcher = LocalDispatcher()
+        self.dispatcher = LocalDispatcher(cfg.n_experts)
         # Token copies routed to each expert: row 0 prefill, row 1 decode. Counted on device, read on demand.
         self.register_buffer("load_counts", torch.zeros(2, cfg.n_experts, dtype=torch.long), persistent=False)
 
     def forward(self, x_TD: torch.Tensor, decoding: bool = False) -> torch.Tensor:
         weights_TK, ids_TK = self.gate(x_TD)
-        counts_E = torch.bincount(ids_TK.reshape(-1), minlength=self.n_experts)
-        self.load_counts[int(decoding)] += counts_E  # on device: no host sync for counting
-        return self.dispatcher(x_TD, weights_TK, ids_TK, self.experts, self.n_experts, counts_E)
+        ids_N = ids_TK.reshape(-1)
+        # scatter_add_ into a fixed-size counter: no host sync (bincount's output size needs one on CUDA).
+        self.load_counts[int(decoding)].scatter_add_(0, ids_N, torch.ones_like(ids_N))
+        return self.run_experts(x_TD, weights_TK, ids_TK)
+
+    def run_experts(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
+        """The routed tokens through their experts, wherever those live. A rank with no tokens of its own
+        calls this with empty tensors to take part in the exchanges."""
+        rows_ND, counts_El, meta = self.dispatcher.dispatch(x_TD, weights_TK, ids_TK)
+        y_ND = self.experts(rows_ND, counts_El)
+        return self.dispatcher.combine(y_ND, meta)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable
+
 import torch
 
 from models.attention import KVCache
 from models.transformer import Transformer
 from moe.checkpoint.distributed_save import save_distributed
-from moe.distributed import single_process
-from moe.generation import GenerationResult, generate_tokens
-from moe.load_stats import local_load_stats, reset_load_stats, set_round_robin
+from moe.generation import GenerationResult, SamplingParams, generate_tokens
 from moe.memory import peak_memory_mib
+from moe.parallel.distributed import single_process
+from moe.reports.counters import local_load_stats, reset_load_stats, set_round_robin
 
 
 class LocalEngine:
@@ -18,23 +21,29 @@ class LocalEngine:
         self.model = model
         self.caches: dict[str, KVCache] | None = None
 
+    @property
+    def device(self) -> torch.device:
+        return self.model.norm.weight.device
+
+    # -- stepping (moe.generation.Stepper) ---------------------------------------------------------
     def start(self, batch: int, length: int) -> None:
         self.caches = self.model.make_caches(batch, length)
 
     @torch.inference_mode()
     def forward_last(self, tokens_BS: torch.Tensor, start: int, pad_B: torch.Tensor) -> torch.Tensor:
-        device = self.model.tok_embeddings.weight.device
-        return self.model(tokens_BS.to(device), start, self.caches, pad_B, last_only=True)[:, -1]
-
-    def generate(self, ids, params, eos, context, on_token=None) -> GenerationResult:
-        return generate_tokens(self, ids, params, eos, context, on_token)
+        return self.model(tokens_BS.to(self.device), start, self.caches, pad_B, last_only=True)[:, -1]
 
     def share(self, tokens_B: torch.Tensor) -> torch.Tensor:
         return tokens_B.cpu()
 
+    # -- the Engine interface ----------------------------------------------------------------------
+    def generate(self, ids: list[list[int]], params: SamplingParams, eos: int | None, context: int,
+                 on_token: Callable[[int, int], None] | None = None) -> GenerationResult:
+        return generate_tokens(self, ids, params, eos, context, on_token)
+
     @torch.inference_mode()
     def logits(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        return self.model(tokens_BS.to(self.model.tok_embeddings.weight.device))
+        return self.model(tokens_BS.to(self.device))
 
     def load_stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         counts, entropy = local_load_stats(self.model)
@@ -49,8 +58,11 @@ class LocalEngine:
     def save(self, out: str, max_shard_bytes: int | None, tokenizer: str | None) -> list[dict]:
         return [save_distributed(self.model, self.model.cfg, out, single_process(), max_shard_bytes, tokenizer)]
 
-    def peak_memory_mib(self) -> list[float]:
-        return [peak_memory_mib(self.model.norm.weight.device)]
+    def memory(self) -> list[float]:
+        return [peak_memory_mib(self.device)]
+
+    def random_seed(self) -> int:
+        return random.randrange(2**31)
 
     def close(self) -> None:
         self.caches = None

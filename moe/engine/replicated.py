@@ -12,9 +12,8 @@ rank (a few percent of a Mixtral) and one gather of logits per step.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from moe.sharded import ShardedEngine
+from moe.engine.sharded import ShardedEngine
 
 
 class ReplicatedAttentionEngine(ShardedEngine):
@@ -30,7 +29,7 @@ class ReplicatedAttentionEngine(ShardedEngine):
         self.caches = self.model.make_caches(rows, length) if rows else {}
 
     @torch.inference_mode()
-    def hidden_to_logits(self, tokens_BS: torch.Tensor, start: int, pad_B: torch.Tensor | None,
+    def tokens_to_logits(self, tokens_BS: torch.Tensor, start: int, pad_B: torch.Tensor | None,
                          caches, last_only: bool) -> torch.Tensor | None:
         B, S = tokens_BS.shape
         rows = self.my_rows(B)
@@ -41,7 +40,7 @@ class ReplicatedAttentionEngine(ShardedEngine):
         else:
             local = None
             for block in self.model.layers.values():
-                self.take_part_without_rows(block.feed_forward)
+                block.feed_forward.run_experts(*self.no_rows)
         return self._gather(local, B, 1 if last_only else S)
 
     def _gather(self, local: torch.Tensor | None, batch: int, seq: int) -> torch.Tensor | None:
@@ -52,8 +51,7 @@ class ReplicatedAttentionEngine(ShardedEngine):
         buf = torch.zeros(max(sizes), seq, V, dtype=self.dtype, device=self.dist.device)
         if local is not None:
             buf[:len(local)] = local
-        parts = [torch.empty_like(buf) for _ in range(world)] if self.rank == 0 else None
-        dist.gather(buf, parts, dst=0)
+        parts = self.dist.gather(buf, dst=0)
         if self.rank != 0:
             return None
         return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])

@@ -8,8 +8,8 @@ import math
 
 import torch
 
-from moe.load_report import imbalance, rank_loads
-from moe.placement import Placement
+from moe.parallel.placement import Placement
+from moe.reports.expert_load import imbalance, rank_loads
 
 
 def plan_block(loads_E: list[float], world_size: int, replicas: int) -> tuple[tuple[int, ...], ...]:

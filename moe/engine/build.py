@@ -11,11 +11,12 @@ from models.cpu_kernels import pack_weights
 from models.transformer import Transformer
 from moe.checkpoint.formats import CheckpointFormat, detect
 from moe.checkpoint.loader import load_into, parse_dtype
+from moe.progress import Progress
 
 
 def build_model(directory: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu",
                 prune: Callable[[Transformer], None] | None = None,
-                progress: Callable[[str], None] | None = None,
+                progress: Progress | None = None,
                 pack: bool = False) -> tuple[Transformer, CheckpointFormat, dict]:
     """`pack`: an inference model on CPU keeps its linear weights in oneDNN's layout (models.cpu_kernels)."""
     ckpt = detect(directory)

@@ -37,10 +37,57 @@ class DistContext:
         dist.recv(t, src)
         return t
 
+    # Collectives. With one rank and no process group each is the identity, so engines, dispatchers and
+    # the trainer run unchanged in one process.
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         if self.distributed:
             dist.broadcast(t, src)
         return t
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place."""
+        if self.distributed:
+            dist.all_reduce(t)
+        return t
+
+    def all_to_all(self, out: torch.Tensor, x: torch.Tensor, out_splits: list[int] | None = None,
+                   in_splits: list[int] | None = None) -> torch.Tensor:
+        """Rows of x go to the ranks in order (in_splits rows each); out receives out_splits rows from each."""
+        if self.distributed:
+            dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits)
+        else:
+            out.copy_(x)
+        return out
+
+    def gather(self, t: torch.Tensor, dst: int) -> list[torch.Tensor] | None:
+        """Every rank's equally shaped `t`, in rank order, on `dst`; None elsewhere."""
+        if not self.distributed:
+            return [t]
+        parts = [torch.empty_like(t) for _ in range(self.world_size)] if self.rank == dst else None
+        dist.gather(t, parts, dst=dst)
+        return parts
+
+    def all_gather_object(self, obj: object) -> list:
+        if not self.distributed:
+            return [obj]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: object, src: int) -> object:
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def destroy(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def single_process(device: str | torch.device = "cpu") -> DistContext:
@@ -66,13 +113,24 @@ def init_process_group(rank: int, world_size: int, master_addr: str, master_port
     return DistContext(rank, world_size, device, backend)
 
 
+def under_torchrun() -> bool:
+    """torchrun (or any launcher of its kind) made this process one rank of a group."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def from_torchrun() -> DistContext | None:
-    """Join the group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), if any."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+    """Join the group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), if any; reuse the
+    group when this process has joined it already (a second model in the same job)."""
+    if not under_torchrun():
         return None
-    return init_process_group(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                              os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")),
-                              int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if dist.is_initialized():
+        backend = dist.get_backend()
+        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+        return DistContext(rank, world_size, device, backend)
+    return init_process_group(rank, world_size, os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                              int(os.environ.get("MASTER_PORT", "29500")), local_rank)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

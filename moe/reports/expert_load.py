@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from moe.placement import Placement
+from moe.parallel.placement import Placement
 
 
 def imbalance(loads: torch.Tensor) -> dict[str, float]:
@@ -102,7 +102,7 @@ class ExpertLoadReport:
             import matplotlib  # noqa: F401
         except ImportError:
             return written
-        from moe.load_plot import draw_heatmap
+        from moe.reports.plot import draw_heatmap
 
         draw_heatmap(self.total, self.rank_load(), out / "expert_load.png")
         return [*written, out / "expert_load.png"]

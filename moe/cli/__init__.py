@@ -1,0 +1,1 @@
+"""What the scripts in `scripts/` run: each module holds one command's argument parser and its `main`."""

@@ -1,0 +1,70 @@
+"""What every command shares: one-line errors, prompts from flags or files, output from rank 0 only."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from moe.errors import USER_ERRORS, RankFailure
+from moe.parallel.distributed import under_torchrun
+
+
+def run_command(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run a command; a user error is one line and exit 2, a failed rank one line and exit 1."""
+    try:
+        return command(args)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RankFailure as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def refuse_gpus_under_torchrun(args: argparse.Namespace) -> None:
+    """Under torchrun the ranks are torchrun's: a --gpus that is not the default would be silently ignored."""
+    if under_torchrun() and getattr(args, "gpus", 1) != 1:
+        raise ValueError("--gpus does not apply under torchrun (its --nproc-per-node and --nnodes set the ranks); "
+                         "drop it")
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"--prompt-file {path}: no such file")
+        prompts += [line for line in path.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError("give at least one --prompt or a --prompt-file")
+    return prompts
+
+
+def parse_blocks_per_rank(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--blocks-per-rank {text!r} must be comma-separated integers, e.g. 3,2,2,1") from None
+
+
+def say_from(rank: int) -> Callable[..., None]:
+    """`print` on rank 0, nothing elsewhere (every torchrun process runs the same command)."""
+    return print if rank == 0 else (lambda *a, **k: None)
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """--ckpt, --dtype, --gpus, --threads, --placement: how every inference command loads a model."""
+    ap.add_argument("--ckpt", required=True, help="checkpoint directory (Hugging Face or Mistral consolidated)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                    help="weights and activations dtype (default: the checkpoint's, else float32)")
+    ap.add_argument("--gpus", type=int, default=1,
+                    help="ranks to start here: one per GPU with CUDA, else CPU processes over gloo (default 1; "
+                         "not under torchrun, which sets the ranks itself)")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks)")
+    ap.add_argument("--placement", default=None,
+                    help="placement plan JSON (owner rank of embedding, blocks, head; ranks of every expert)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bars or load lines")

@@ -1,0 +1,138 @@
+"""`scripts/generate.py`: generate text on one rank, on N ranks started here, or as one rank under torchrun.
+
+Every case goes through `MoEModel`; under torchrun each process is one rank, runs the same calls, and only
+rank 0 prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from moe.api import MoEModel
+from moe.checkpoint.formats import detect
+from moe.cli.common import (
+    add_model_args,
+    parse_blocks_per_rank,
+    read_prompts,
+    refuse_gpus_under_torchrun,
+    run_command,
+    say_from,
+)
+from moe.generation import GenerationResult
+from moe.parallel.distributed import pick_backend, under_torchrun
+from moe.parallel.placement import resolve_placement
+from moe.workers.group import cpu_threads_per_rank
+
+EXAMPLES = """examples:
+  python scripts/generate.py --ckpt weights/tiny-moe-austen-bbe --prompt "It is a truth universally acknowledged, that"
+  python scripts/generate.py --ckpt DIR --gpus 4 --temperature 0.7 --top-p 0.9 --seed 1 --prompt "..."
+  torchrun --nproc-per-node 2 scripts/generate.py --ckpt DIR --prompt "..."
+
+where it runs: --gpus N starts N ranks on this machine, one GPU each with NCCL when CUDA has N devices,
+otherwise N CPU processes over gloo (cores shared out, --threads per rank). Under torchrun every process
+is one rank of torchrun's group, on one machine or several; --gpus then does not apply.
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="generate.py", epilog=EXAMPLES,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 description="Generate text with a mixture-of-experts model sharded over ranks.")
+    add_model_args(ap)
+    ap.add_argument("--prompt", action="append", default=[], help="prompt text; repeat for a batch")
+    ap.add_argument("--prompt-file", help="file with one prompt per non-empty line")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0 = off)")
+    ap.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0 = off)")
+    ap.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one, printed)")
+    ap.add_argument("--blocks-per-rank", default=None,
+                    help="comma-separated block counts per rank, e.g. 3,2,2,1 (default: balanced ranges)")
+    ap.add_argument("--attention", choices=["owner", "replicated"], default="owner",
+                    help="owner: each block's attention on one rank (layer placement, default); replicated: every "
+                         "rank holds the dense weights and runs its slice of the batch (throughput on batches)")
+    ap.add_argument("--cpu-kernels", choices=["onednn", "torch"], default="onednn",
+                    help="on CPU: linear weights packed for oneDNN (default, faster) or plain torch products")
+    ap.add_argument("--expert-load", default=None, metavar="DIR",
+                    help="after generating, write an expert-load report (JSON, CSV, PNG) to DIR")
+    ap.add_argument("--master-port", type=int, default=None,
+                    help="port for the ranks to meet on 127.0.0.1 (default: a free one)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(generate, parser().parse_args(argv))
+
+
+def generate(args: argparse.Namespace) -> int:
+    refuse_gpus_under_torchrun(args)
+    prompts = read_prompts(args)
+    cfg = detect(args.ckpt).config
+    torchrun = under_torchrun()
+    ranks = int(os.environ["WORLD_SIZE"]) if torchrun else args.gpus
+    say = say_from(int(os.environ.get("RANK", 0)))  # before the model exists: the entry point reads torchrun's rank
+    plan = None
+    if ranks > 1 or args.placement:
+        plan = resolve_placement(args.placement, cfg.n_layers, cfg.n_experts, ranks,
+                                 parse_blocks_per_rank(args.blocks_per_rank))
+        say(plan.table())
+        if args.attention == "replicated":
+            say("attention replicated: every rank holds the embedding, all blocks' attention and the head, "
+                "and runs its slice of the batch; experts as above")
+        if not torchrun and pick_backend(ranks)[0] == "gloo":
+            threads = args.threads or cpu_threads_per_rank(ranks)
+            say(f"no {ranks} CUDA devices: running {ranks} ranks as CPU processes over gloo, {threads} thread(s) each")
+    if args.threads and (torchrun or ranks == 1):
+        import torch
+
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    model = MoEModel.from_pretrained(args.ckpt, dtype=args.dtype, gpus=args.gpus, placement=plan,
+                                     master_port=args.master_port, threads=args.threads, progress=not args.quiet,
+                                     attention=args.attention, cpu_kernels=args.cpu_kernels)
+    load_s = time.perf_counter() - t0
+    with model:
+        run_and_print(model, args, prompts, load_s, say_from(model.rank))
+    return 0
+
+
+def run_and_print(model: MoEModel, args: argparse.Namespace, prompts: list[str], load_s: float, say) -> None:
+    cfg = model.config
+    seed = args.seed if args.seed is not None else model.random_seed()  # drawn on one rank, shared
+    say(f"model: {args.ckpt} ({model.info.format}), {cfg.n_layers} blocks, "
+        f"{cfg.n_experts} experts top-{cfg.top_k}, dim {cfg.dim}; ranks: {model.info.ranks}")
+    say(f"settings: max_new_tokens={args.max_new_tokens} temperature={args.temperature} top_p={args.top_p} "
+        f"top_k={args.top_k} seed={seed} dtype={model.info.dtype} prompts={len(prompts)}")
+    single = len(prompts) == 1
+    if single:
+        say(prompts[0], end="", flush=True)
+    streamer = (lambda b, piece: say(piece, end="", flush=True)) if single else None
+    outputs = model.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             top_p=args.top_p, top_k=args.top_k, seed=seed, streamer=streamer)
+    say()
+    if not single:
+        for i, (p, o) in enumerate(zip(prompts, outputs, strict=True)):
+            say(f"[{i}] {p}{o}")
+    say(summary(load_s, model.last_result, len(prompts), model.peak_memory_mib()))
+    if args.expert_load:
+        report = model.expert_load()  # every rank takes part in gathering the counters
+        if model.rank == 0:
+            from moe.cli.expert_load import report_out
+
+            report_out(report, args.expert_load)
+
+
+def summary(load_s: float, r: GenerationResult, n_prompts: int, peak_mib: list[float]) -> str:
+    decode_tokens = max(r.new_tokens - n_prompts, 0)
+    peak = "/".join(f"{m:.0f}" for m in peak_mib)
+    label = "peak RSS" if len(peak_mib) == 1 else "peak RSS per rank"
+    return (f"load {load_s:.2f} s | prompt {r.prompt_tokens} tok at {r.prompt_tokens / r.prefill_seconds:.1f} tok/s"
+            f" | generated {r.new_tokens} tok at {decode_tokens / max(r.decode_seconds, 1e-9):.1f} tok/s"
+            f" | {label} {peak} MiB")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

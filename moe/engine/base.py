@@ -1,0 +1,45 @@
+"""The one engine interface: what `MoEModel` asks of wherever the model runs.
+
+Three engines implement it: `LocalEngine` (one process holds everything), `ShardedEngine` (this process
+is one rank of N, in lock-step with the others: a rank process, or a torchrun process), and `RemoteEngine`
+(the user's process, forwarding each call by name to N rank processes that each run a `ShardedEngine`).
+Every method returns the same value on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from moe.generation import GenerationResult, SamplingParams
+
+# The calls a rank process serves; RemoteEngine forwards exactly these.
+ENGINE_CALLS = ("generate", "logits", "load_stats", "reset_load_stats", "set_round_robin", "save", "memory",
+                "random_seed")
+
+
+class Engine(Protocol):
+    def generate(self, ids: list[list[int]], params: SamplingParams, eos: int | None, context: int,
+                 on_token: Callable[[int, int], None] | None = None) -> GenerationResult: ...
+
+    def logits(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        """[B, S, V] logits (no cache, positions from 0)."""
+
+    def load_stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(routing counts [blocks, 2, experts], router entropy sum, rows computed per [block, rank])."""
+
+    def reset_load_stats(self) -> None: ...
+    def set_round_robin(self, enabled: bool) -> None: ...
+
+    def save(self, out: str, max_shard_bytes: int | None, tokenizer: str | None) -> list[dict]:
+        """Write a Hugging Face directory; per rank, the files it wrote and their bytes."""
+
+    def memory(self) -> list[float]:
+        """Per rank, peak memory in MiB (resident on CPU, allocated on a GPU)."""
+
+    def random_seed(self) -> int:
+        """A fresh seed, the same on every rank (drawn once, shared)."""
+
+    def close(self) -> None: ...

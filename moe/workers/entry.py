@@ -1,0 +1,47 @@
+"""The first code a rank process runs: `python -m moe.workers.entry FD PARENT_PID NAME`.
+
+It binds its life to the parent's, reads `(target, args)` from the pipe on FD, and calls the target.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import signal
+import sys
+from multiprocessing.connection import Connection
+
+from moe.workers.spawn import Channel
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: get SIGKILL when the parent dies, so no rank outlives the process that started it."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != parent_pid:  # the parent died before the line above took effect
+        os._exit(1)
+
+
+def resolve(target: str):
+    module, _, name = target.partition(":")
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def main(argv: list[str]) -> None:
+    fd, parent_pid = int(argv[0]), int(argv[1])
+    die_with_parent(parent_pid)
+    # Ctrl-C in a terminal reaches the whole process group; the parent decides what stops, not each rank.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    conn = Channel(Connection(fd))
+    target, args = conn.recv()
+    resolve(target)(conn, *args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

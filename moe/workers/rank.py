@@ -1,0 +1,118 @@
+"""A rank process's life: join the group, load its share, then serve calls in lock-step with the other ranks.
+
+The parent (`moe.workers.group.WorkerGroup`) sends every rank the same call over its pipe; each rank runs it
+on its `ShardedEngine` (the same calls `moe.engine.base.ENGINE_CALLS` names) and rank 0 replies. Under
+torchrun no rank process exists: `MoEModel` builds the same engine with `load_shard` in each process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from moe.engine.base import ENGINE_CALLS
+from moe.engine.build import build_model
+from moe.engine.replicated import ReplicatedAttentionEngine
+from moe.engine.sharded import ShardedEngine
+from moe.errors import USER_ERRORS
+from moe.memory import peak_memory_mib
+from moe.parallel.distributed import DistContext, init_process_group
+from moe.parallel.placement import Placement
+from moe.parallel.sharding import apply_expert_placement, apply_placement, use_all_to_all
+from moe.progress import Progress
+
+ATTENTION_MODES = ("owner", "replicated")
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    path: str
+    dtype: str  # resolved by the parent: "float32", "bfloat16", "float16"
+    placement: dict  # Placement.to_json(), already validated by the parent
+    progress: bool = False  # rank 0 shows checkpoint reading progress
+    attention: str = "owner"  # "owner": layer placement; "replicated": every rank attends for its batch slice
+    cpu_kernels: str = "onednn"  # see MoEModel.from_pretrained
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(f"attention={self.attention!r}: use one of {', '.join(ATTENTION_MODES)}")
+
+
+def load_shard(spec: ShardSpec, dist: DistContext) -> tuple[ShardedEngine, dict]:
+    """Build this rank's share of the model and the engine that runs it."""
+    placement = Placement.from_json(spec.placement)
+    torch_dtype = getattr(torch, spec.dtype)
+    replicated = spec.attention == "replicated"  # every rank keeps the dense weights; only experts are placed
+    prune = apply_expert_placement if replicated else apply_placement
+    engine_type = ReplicatedAttentionEngine if replicated else ShardedEngine
+    progress = Progress.for_loading(enabled=spec.progress and dist.rank == 0)
+    model, _, stats = build_model(spec.path, torch_dtype, dist.device, progress=progress,
+                                  prune=lambda m: prune(m, placement, dist.rank), pack=spec.cpu_kernels == "onednn")
+    use_all_to_all(model, placement, dist)
+    return engine_type(model, placement, dist, torch_dtype), stats
+
+
+def cpu_share(rank: int, world_size: int) -> set[int]:
+    """The cores a CPU rank keeps to: an equal slice, or one core round-robin when ranks outnumber cores.
+    Pinned ranks stop migrating between cores, which makes gloo's collectives cheaper when they share."""
+    cores = sorted(os.sched_getaffinity(0))
+    if world_size <= len(cores):
+        per = len(cores) // world_size
+        return set(cores[rank * per:(rank + 1) * per])
+    return {cores[rank % len(cores)]}
+
+
+def worker_main(conn, rank: int, world_size: int, port: int, threads: int, spec: ShardSpec) -> None:
+    torch.set_num_threads(threads)
+    try:
+        dist = init_process_group(rank, world_size, "127.0.0.1", port)
+        share = cpu_share(rank, world_size)
+        if dist.device.type == "cpu" and world_size > 1 and threads <= len(share):
+            os.sched_setaffinity(0, share)  # not when asked for more threads than cores: they would spin-wait
+        baseline = peak_memory_mib(dist.device)  # the process before any weight is read
+        engine, stats = load_shard(spec, dist)
+        names = sorted(name for name, _ in engine.model.named_parameters())  # not state_dict(): it unpacks weights
+        conn.send(("ok", {"rank": rank, "params": names, **stats,
+                          "baseline_mib": baseline, "loaded_peak_mib": peak_memory_mib(dist.device),
+                          "device": str(dist.device), "backend": dist.backend}))
+        serve(engine, conn)
+    except BaseException as e:  # report, then exit: the parent stops the other ranks
+        kind = "user" if isinstance(e, USER_ERRORS) else "fault"
+        detail = "" if kind == "user" else traceback.format_exc(limit=-3)
+        try:
+            conn.send(("error", kind, type(e).__name__, str(e).splitlines()[0] if str(e) else "", detail))
+        except OSError:
+            pass
+        sys.stderr.flush()
+        os._exit(1)
+    os._exit(0)
+
+
+def serve(engine: ShardedEngine, conn) -> None:
+    """Run each call the parent sends on the engine, by name; rank 0 replies (every rank has the same answer)."""
+    rank = engine.rank
+    while True:
+        op, *args = conn.recv()
+        if op == "close":
+            conn.send(("ok", None))
+            return
+        if op == "fail":  # fault injection for tests: this rank raises, the others wait in a collective
+            if rank == args[0]:
+                raise RuntimeError(f"injected failure on rank {rank}")
+            engine.dist.barrier()
+            conn.send(("ok", None))
+            continue
+        every_rank = op == "each"  # inspection: every rank's own answer, to check that they agree
+        if every_rank:
+            op, *args = args
+        if op not in ENGINE_CALLS:
+            raise ValueError(f"unknown request {op!r}")
+        kwargs = {}
+        if op == "generate" and rank == 0:
+            kwargs["on_token"] = lambda b, t: conn.send(("token", b, t))
+        result = getattr(engine, op)(*args, **kwargs)
+        conn.send(("ok", result if rank == 0 or every_rank else None))
