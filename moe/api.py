@@ -202,10 +202,12 @@ class MoEModel:
             return result.tokens
         return [self.tokenizer.decode_continuation(p, t) for p, t in zip(ids, result.tokens, strict=True)]
 
-    def save_pretrained(self, path: str | Path, max_shard_size: str | int | None = "200MB") -> list[dict]:
+    def save_pretrained(self, path: str | Path, max_shard_size: str | int | None = "200MB",
+                        progress: bool = False) -> list[dict]:
         """Write a Hugging Face directory (safetensors + index, config.json, tokenizer) from wherever the weights
         are: each rank writes the tensors it holds, nothing is gathered. Atomic: the directory appears complete
-        or not at all. Returns, per rank, the files it wrote and their bytes."""
+        or not at all. Returns, per rank, the files it wrote and their bytes. `progress`: a bar of the bytes
+        rank 0 writes, on a terminal."""
         from moe.checkpoint.convert import parse_size
         from moe.checkpoint.writer import refuse_non_empty
 
@@ -214,7 +216,7 @@ class MoEModel:
         size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
         tokenizer = str(self._tokenizer.path) if self._tokenizer is not None else None
         with self._lock:
-            return self.engine.save(str(path.resolve()), size, tokenizer)
+            return self.engine.save(str(path.resolve()), size, tokenizer, progress)
 
     def peak_memory_mib(self) -> list[float]:
         """Peak memory of each rank in MiB (resident on CPU, allocated on a GPU)."""

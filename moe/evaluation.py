@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moe.progress import Progress, silent
 from moe.tokenizer import Tokenizer
 
 
@@ -48,9 +49,10 @@ class Score:
 
 
 @torch.no_grad()
-def score_windows(logits_fn: Callable[[torch.Tensor], torch.Tensor], wins: list[torch.Tensor],
-                  batch: int) -> tuple[float, int]:
-    """Sum of next-token losses (nats) and the number of predicted tokens; batches windows of equal length."""
+def score_windows(logits_fn: Callable[[torch.Tensor], torch.Tensor], wins: list[torch.Tensor], batch: int,
+                  progress: Progress | None = None, bytes_per_token: float | None = None) -> tuple[float, int]:
+    """Sum of next-token losses (nats) and the number of predicted tokens; batches windows of equal length.
+    `progress` counts windows, with the running bits per byte when `bytes_per_token` is known."""
     nats, count = 0.0, 0
     by_length: dict[int, list[torch.Tensor]] = {}
     for w in wins:
@@ -62,11 +64,18 @@ def score_windows(logits_fn: Callable[[torch.Tensor], torch.Tensor], wins: list[
             nats += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1),
                                           reduction="sum"))
             count += rows[:, 1:].numel()
+            if progress is not None:
+                bpb = nats / math.log(2) / (count * bytes_per_token) if bytes_per_token else None
+                progress.update(len(rows), **({"bits/byte": f"{bpb:.4f}"} if bpb is not None else {}))
     return nats, count
 
 
 def score_text(logits_fn: Callable[[torch.Tensor], torch.Tensor], docs: list[str], tokenizer: Tokenizer,
-               seq_len: int, batch: int = 8) -> Score:
+               seq_len: int, batch: int = 8, progress: Progress | None = None) -> Score:
     stream = token_stream(docs, tokenizer)
-    nats, tokens = score_windows(logits_fn, windows(stream, seq_len), batch)
-    return Score(nats, tokens, sum(len(d.encode("utf-8")) for d in docs))
+    wins = windows(stream, seq_len)
+    n_bytes = sum(len(d.encode("utf-8")) for d in docs)
+    with progress or silent() as shown:
+        shown.start(len(wins))
+        nats, tokens = score_windows(logits_fn, wins, batch, shown, n_bytes / max(stream.numel() - 1, 1))
+    return Score(nats, tokens, n_bytes)

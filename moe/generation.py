@@ -104,12 +104,14 @@ def generate_tokens(engine: Stepper, prompts: list[list[int]], params: SamplingP
     B, P = tokens.shape
     steps = min(params.max_new_tokens, context - P)
     engine.start(B, P + steps)
-    generator = torch.Generator().manual_seed(params.seed)
+    generator = None  # made on the logits' device (a CPU generator cannot drive sampling on a GPU)
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     logits = engine.forward_last(tokens, 0, pad)
     t_prefill = None
     for step in range(steps):
+        if logits is not None and generator is None:
+            generator = torch.Generator(device=logits.device).manual_seed(params.seed)
         nxt = sample(logits, params, generator) if logits is not None else torch.zeros(B, dtype=torch.long)
         nxt = engine.share(nxt)
         if t_prefill is None:

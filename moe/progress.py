@@ -14,8 +14,9 @@ from tqdm import tqdm
 
 class Progress:
     def __init__(self, desc: str, unit: str = "it", enabled: bool = True, prefix: str = "",
-                 stream: TextIO | None = None) -> None:
-        self.desc, self.unit, self.enabled, self.prefix = desc, unit, enabled, prefix
+                 stream: TextIO | None = None, bar: bool = True) -> None:
+        """`enabled=False` shows nothing; `bar=False` keeps the milestone lines but never draws a bar."""
+        self.desc, self.unit, self.enabled, self.prefix, self.want_bar = desc, unit, enabled, prefix, bar
         self.stream = stream or sys.stderr
         self.bar: tqdm | None = None
 
@@ -26,13 +27,13 @@ class Progress:
 
     @property
     def interactive(self) -> bool:
-        return self.enabled and self.stream.isatty()
+        return self.enabled and self.want_bar and self.stream.isatty()
 
     def start(self, total: float | None) -> Progress:
         if self.interactive and self.bar is None:
             scale = self.unit == "B"
             self.bar = tqdm(total=total, desc=self.desc, unit=self.unit, unit_scale=scale, unit_divisor=1024 if scale
-                            else 1000, file=self.stream, leave=False, dynamic_ncols=True)
+                            else 1000, file=self.stream, leave=True, dynamic_ncols=True)
         return self
 
     def update(self, n: float = 1, **postfix: object) -> None:
@@ -41,14 +42,21 @@ class Progress:
                 self.bar.set_postfix(postfix, refresh=False)
             self.bar.update(n)
 
-    def note(self, line: str) -> None:
-        """A milestone line (a file finished, a validation score): above the bar, or a plain line."""
+    def set_total(self, total: float) -> None:
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.refresh()
+
+    def note(self, line: str, stream: TextIO | None = None) -> None:
+        """A milestone line (a file finished, a validation score) on `stream` (default: the bar's), printed
+        above the bar while one is drawn."""
         if not self.enabled:
             return
+        stream = stream or self.stream
         if self.bar is not None:
-            self.bar.write(self.prefix + line, file=self.stream)
+            self.bar.write(self.prefix + line, file=stream)
         else:
-            print(self.prefix + line, file=self.stream, flush=True)
+            print(self.prefix + line, file=stream, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

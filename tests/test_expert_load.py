@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import stat
 import subprocess
 import sys
 
@@ -129,3 +131,16 @@ def test_plan_placement_script(ckpt, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "predicted max/mean rank load" in proc.stdout
     Placement.load(tmp_path / "plan.json").validate(3, 4, 2)
+
+
+def test_report_files_get_the_permissions_the_umask_allows(ckpt, tmp_path):
+    with MoEModel.from_pretrained(ckpt) as model:
+        model.generate([[1, 5, 9]], max_new_tokens=2)
+        report = model.expert_load()
+    old = os.umask(0o022)
+    try:
+        paths = report.write(tmp_path / "load")
+    finally:
+        os.umask(old)
+    assert paths and all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in paths)
+    assert sorted(p.name for p in (tmp_path / "load").iterdir()) == sorted(p.name for p in paths)  # no leftovers

@@ -1,4 +1,4 @@
-"""No hangs (invariant 4): a rank that dies or raises stops every rank, with a message naming it."""
+"""No hangs (invariant "no hangs"): a rank that dies or raises stops every rank, with a message naming it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One rank against Hugging Face transformers on the same random weights (invariant 5)."""
+"""One rank against Hugging Face transformers on the same random weights (invariant "the reference agrees")."""
 
 from __future__ import annotations
 

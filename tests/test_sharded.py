@@ -1,4 +1,5 @@
-"""N ranks against one rank (invariant 1), per-rank loading (invariant 3), lock-step batches (invariant 2)."""
+"""N ranks against one rank ("sharding never changes the answer"), per-rank loading ("a rank reads only what it
+holds"), lock-step batches ("lock-step collectives")."""
 
 from __future__ import annotations
 

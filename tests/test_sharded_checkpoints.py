@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 import moe.checkpoint.distributed_save as distributed_save
 import moe.checkpoint.reshard as reshard_module
+import moe.checkpoint.writer as writer_module
 from moe import MoEModel
 from moe.checkpoint.files import HF_INDEX
 from moe.checkpoint.reshard import reshard
@@ -137,8 +138,8 @@ def test_interrupted_save_leaves_nothing_that_looks_valid(source, tmp_path, monk
             raise OSError("disk full (simulated)")
         return real(tensors, filename, metadata=metadata)
 
-    real = module.save_file
-    monkeypatch.setattr(module, "save_file", failing_save_file)
+    real = writer_module.save_file  # every writer writes its files through moe.checkpoint.writer.write_file
+    monkeypatch.setattr(writer_module, "save_file", failing_save_file)
     with pytest.raises(OSError, match="simulated"):
         if module is reshard_module:
             reshard(source[0], tmp_path / "out", 20_000)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from moe.checkpoint.writer import save_checkpoint
 from moe.engine.build import build_model
+from moe.progress import Progress
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -20,9 +21,10 @@ def parse_size(text: str) -> int:
 
 
 def convert_checkpoint(src: str | Path, out: str | Path, fmt: str, dtype: str | None = None,
-                       max_shard_bytes: int | None = None) -> Path:
+                       max_shard_bytes: int | None = None, progress: Progress | None = None) -> Path:
     """Load `src` on one rank (in `dtype`, default its own) and write it to `out` in layout `fmt`."""
     model, ckpt, _ = build_model(src, dtype)
     tokenizer = Path(src) / "tokenizer.model"
     return save_checkpoint(model.state_dict(), ckpt.config, out, fmt=fmt,
-                           tokenizer=tokenizer if tokenizer.exists() else None, max_shard_bytes=max_shard_bytes)
+                           tokenizer=tokenizer if tokenizer.exists() else None, max_shard_bytes=max_shard_bytes,
+                           progress=progress)

@@ -9,10 +9,10 @@ and renames the directory into place, so an interrupted save leaves no valid-loo
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from models.config import ModelConfig
 from moe.checkpoint.files import CheckpointError
@@ -25,9 +25,11 @@ from moe.checkpoint.writer import (
     plan_shards,
     shard_file_name,
     to_external,
+    write_file,
     write_index,
 )
 from moe.parallel.distributed import DistContext
+from moe.progress import Progress
 
 
 def stacked_expert_ids(model: torch.nn.Module) -> dict[str, list[int]]:
@@ -73,28 +75,36 @@ def dense_external(model: torch.nn.Module, cfg: ModelConfig, names: list[str], s
     return {n: out[n] for n in names}
 
 
-def save_distributed(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Path, ctx: DistContext,
-                     max_shard_bytes: int | None = None, tokenizer: str | Path | None = None) -> dict:
-    """Collective: every rank calls it. Returns {"files": [this rank's files], "bytes": bytes written here}.
+@dataclass
+class SavePlan:
+    """This rank's share of a save: the external tensors it writes (views or placeholders, for planning),
+    where each comes from, and the expert ids of our stacked tensors."""
 
-    Files are planned from names and shapes alone; each file's tensors are made dense (unpacked, copied off
-    the GPU) just before it is written, so saving needs little memory beyond the model."""
-    out_dir = Path(out_dir)
+    mine: dict[str, torch.Tensor]
+    source: dict[str, str]  # external name -> our name
+    expert_ids: dict[str, list[int]]
+    dtype: str | None  # of our tensors (None when this rank holds none)
+
+
+def plan_save(model: torch.nn.Module, cfg: ModelConfig, ctx: DistContext) -> SavePlan:
+    """Collective. A tensor several ranks hold (a replicated expert, tied embeddings) is written by the lowest."""
     layout = state_layout(model)
     expert_ids = {k: v for k, v in stacked_expert_ids(model).items() if k in layout and is_stacked_expert(k)}
-    tensors, source = {}, {}  # external name -> view or placeholder (for planning); -> our name
+    tensors, source = {}, {}
     with torch.no_grad():
         for name, t in layout.items():
             for ext, view in to_external({name: t}, cfg, HF, expert_ids).items():
                 tensors[ext], source[ext] = view, name
-    holders = ctx.all_gather_object(sorted(tensors))
-    first_holder = {}
-    for rank, names in enumerate(holders):
+    first_holder: dict[str, int] = {}
+    for rank, names in enumerate(ctx.all_gather_object(sorted(tensors))):
         for n in names:
             first_holder.setdefault(n, rank)
     mine = {n: t for n, t in tensors.items() if first_holder[n] == ctx.rank}
+    return SavePlan(mine, source, expert_ids, dtype_name(tensors) if tensors else None)
 
-    # Rank 0 makes the partial directory and tells the others (or tells them why it could not).
+
+def shared_partial_dir(out_dir: Path, ctx: DistContext) -> Path:
+    """Collective: rank 0 makes the hidden partial directory and tells the others (or why it could not)."""
     made: object = None
     if ctx.rank == 0:
         try:
@@ -104,27 +114,44 @@ def save_distributed(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Pa
     made = ctx.broadcast_object(made, src=0)
     if isinstance(made, Exception):
         raise made
-    tmp = Path(made)
+    return Path(made)
+
+
+def save_distributed(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Path, ctx: DistContext,
+                     max_shard_bytes: int | None = None, tokenizer: str | Path | None = None,
+                     progress: Progress | None = None) -> dict:
+    """Collective: every rank calls it. Returns {"files": [this rank's files], "bytes": bytes written here}.
+
+    Files are planned from names and shapes alone; each file's tensors are made dense (unpacked, copied off
+    the GPU) just before it is written, so saving needs little memory beyond the model."""
+    out_dir = Path(out_dir)
+    plan = plan_save(model, cfg, ctx)
+    tmp = shared_partial_dir(out_dir, ctx)
+    sizes = nbytes(plan.mine)
     try:
-        shards = plan_shards(nbytes(mine), max_shard_bytes) if mine else []
+        shards = plan_shards(sizes, max_shard_bytes) if plan.mine else []
+        if progress is not None:
+            progress.start(sum(sizes.values()))
         counts = ctx.all_gather_object(len(shards))
         total_files, first = sum(counts), sum(counts[:ctx.rank])
         weight_map, files = {}, []
         for i, names in enumerate(shards):
             fname = shard_file_name(first + i + 1, total_files)
-            save_file(dense_external(model, cfg, names, source, expert_ids), tmp / fname, metadata={"format": "pt"})
+            write_file(dense_external(model, cfg, names, plan.source, plan.expert_ids), tmp / fname, progress,
+                       metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(names, fname))
             files.append(fname)
-        written = sum(nbytes(mine).values())
-        maps = ctx.all_gather_object((weight_map, written, dtype_name(tensors) if tensors else None))
+        maps = ctx.all_gather_object((weight_map, sum(sizes.values()), plan.dtype))
         ctx.barrier()  # every rank's files are complete before the index names them
         if ctx.rank == 0:
             write_index(tmp, {k: v for m, _, _ in maps for k, v in m.items()}, sum(b for _, b, _ in maps))
-            dtype = next(d for _, _, d in maps if d is not None)
-            finish_checkpoint(tmp, out_dir, cfg, dtype, tokenizer)
+            finish_checkpoint(tmp, out_dir, cfg, next(d for _, _, d in maps if d is not None), tokenizer)
         ctx.barrier()
     except BaseException:
         if ctx.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"files": files, "bytes": written}
+    finally:
+        if progress is not None:
+            progress.close()
+    return {"files": files, "bytes": sum(sizes.values())}

@@ -13,15 +13,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from models.transformer import Transformer
 from moe.checkpoint.files import index_tensors
 from moe.checkpoint.formats import HF, detect, external_name, is_stacked_expert, needs_rope_permute, to_half_split
 from moe.checkpoint.loader import SAFETENSORS_DTYPES, TensorReader, needed_sources
-from moe.checkpoint.writer import finish_checkpoint, make_partial_dir, plan_shards, shard_file_name, write_index
+from moe.checkpoint.writer import (
+    finish_checkpoint,
+    make_partial_dir,
+    plan_shards,
+    shard_file_name,
+    write_file,
+    write_index,
+)
 from moe.parallel.placement import Placement
 from moe.parallel.sharding import apply_placement
+from moe.progress import Progress
 
 
 @dataclass(frozen=True)
@@ -72,7 +79,7 @@ def group_by_rank(moves: list[Move], need: dict[str, set[int]], world_size: int)
 
 
 def reshard(src: str | Path, out: str | Path, max_shard_bytes: int | None,
-            placement: Placement | None = None) -> dict:
+            placement: Placement | None = None, progress: Progress | None = None) -> dict:
     """Write `src` to `out` as HF safetensors; returns {"files": {file: [ranks that read it]}}."""
     src, out = Path(src), Path(out)
     ckpt = detect(src)
@@ -99,6 +106,8 @@ def reshard(src: str | Path, out: str | Path, max_shard_bytes: int | None,
         weight_map, total = {}, 0
         with ExitStack() as stack:
             reader = TensorReader(tensors, stack)
+            if progress is not None:
+                stack.enter_context(progress.start(sum(sizes.values())))
             for i, shard in enumerate(shards, 1):
                 fname = shard_file_name(i, len(shards))
                 data = {}
@@ -106,7 +115,7 @@ def reshard(src: str | Path, out: str | Path, max_shard_bytes: int | None,
                     t = reader.read(m.src)
                     data[m.dst] = to_half_split(t, m.rope_heads) if m.rope_heads else t
                     total += sizes[m.dst]
-                save_file(data, tmp / fname, metadata={"format": "pt"})
+                write_file(data, tmp / fname, progress, metadata={"format": "pt"})
                 del data
                 weight_map.update(dict.fromkeys((m.dst for m in shard), fname))
                 files[fname] = sorted(set().union(*(need.get(m.dst, set()) for m in shard)))

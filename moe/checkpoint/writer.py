@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from models.config import ModelConfig
 from moe.checkpoint.files import HF_INDEX, CheckpointError
 from moe.checkpoint.formats import HF, MISTRAL, external_name, is_stacked_expert, needs_rope_permute, to_interleaved
+from moe.progress import Progress
 
 
 def to_external(state: dict[str, torch.Tensor], cfg: ModelConfig, fmt: str,
@@ -69,33 +70,48 @@ def write_index(directory: Path, weight_map: dict[str, str], total_size: int) ->
         (directory / HF_INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def write_hf_shards(tensors: dict[str, torch.Tensor], directory: Path, max_bytes: int | None) -> None:
+def write_file(tensors: dict[str, torch.Tensor], path: Path, progress: Progress | None = None,
+               metadata: dict[str, str] | None = None) -> None:
+    """One safetensors file; `progress` counts its bytes once it is written."""
+    save_file(tensors, path, metadata=metadata)
+    if progress is not None:
+        progress.update(sum(nbytes(tensors).values()))
+
+
+def write_hf_shards(tensors: dict[str, torch.Tensor], directory: Path, max_bytes: int | None,
+                    progress: Progress | None = None) -> None:
     shards = plan_shards(nbytes(tensors), max_bytes)
     weight_map = {}
     for i, names in enumerate(shards, 1):
         fname = shard_file_name(i, len(shards))
-        save_file({n: tensors[n] for n in names}, directory / fname, metadata={"format": "pt"})
+        write_file({n: tensors[n] for n in names}, directory / fname, progress, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(names, fname))
     write_index(directory, weight_map, sum(nbytes(tensors).values()))
 
 
 def save_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path, fmt: str = HF,
-                    tokenizer: str | Path | None = None, max_shard_bytes: int | None = None) -> Path:
+                    tokenizer: str | Path | None = None, max_shard_bytes: int | None = None,
+                    progress: Progress | None = None) -> Path:
     """Write safetensors plus config (and tokenizer) to `out_dir`, atomically."""
     out_dir = Path(out_dir)
     tmp = make_partial_dir(out_dir)
     try:
         tensors = to_external({k: v.detach().cpu() for k, v in state.items()}, cfg, fmt)
+        if progress is not None:
+            progress.start(sum(nbytes(tensors).values()))
         if fmt == MISTRAL:
-            save_file(tensors, tmp / "consolidated.safetensors")
+            write_file(tensors, tmp / "consolidated.safetensors", progress)
             (tmp / "params.json").write_text(json.dumps(cfg.to_mistral(), indent=2) + "\n")
             finish_checkpoint(tmp, out_dir, None, None, tokenizer)
         else:
-            write_hf_shards(tensors, tmp, max_shard_bytes)
+            write_hf_shards(tensors, tmp, max_shard_bytes, progress)
             finish_checkpoint(tmp, out_dir, cfg, dtype_name(tensors), tokenizer)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if progress is not None:
+            progress.close()
     return out_dir
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,8 @@ def run_command(command: Callable[[argparse.Namespace], int], args: argparse.Nam
     try:
         return command(args)
     except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank finds the same bad input: say it once
+            print(f"error: {e}", file=sys.stderr)
         return 2
     except RankFailure as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,18 +1,27 @@
-"""Expert-load and placement-planning commands (scripts/expert_load.py, scripts/plan_placement.py)."""
+"""`scripts/expert_load.py`: run prompts and write an expert-load report (JSON, CSV, heatmap, a table)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-import torch
-
 from moe.api import MoEModel
-from moe.cli.common import read_prompts, run_command
-from moe.parallel.placement import Placement
+from moe.cli.common import add_model_args, read_prompts, refuse_gpus_under_torchrun, run_command
+from moe.progress import Progress
 from moe.reports.expert_load import ExpertLoadReport
-from moe.reports.planner import plan_placement, predicted_imbalance
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="expert_load.py",
+                                 description="Measure which experts and ranks receive how many tokens.")
+    add_model_args(ap)
+    ap.add_argument("--prompt", action="append", default=[], help="prompt text; repeat for more")
+    ap.add_argument("--prompt-file", help="file with one prompt per non-empty line")
+    ap.add_argument("--out", required=True, help="directory for expert_load.json/.csv/.png")
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens generated per prompt")
+    ap.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default 8)")
+    ap.add_argument("--debug-routing", action="store_true", help="round-robin routing (exact, known loads)")
+    return ap.parse_args(argv)
 
 
 def report_out(report: ExpertLoadReport, out_dir: str | Path) -> None:
@@ -21,48 +30,26 @@ def report_out(report: ExpertLoadReport, out_dir: str | Path) -> None:
         print(f"wrote {path}")
 
 
-def expert_load_main(args: argparse.Namespace) -> int:
-    return run_command(_expert_load, args)
-
-
-def _expert_load(args: argparse.Namespace) -> int:
+def expert_load(args: argparse.Namespace) -> int:
+    refuse_gpus_under_torchrun(args)
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     prompts = read_prompts(args)
-    with MoEModel.from_pretrained(args.ckpt, dtype=args.dtype, gpus=args.gpus, placement=args.placement) as model:
+    with MoEModel.from_pretrained(args.ckpt, dtype=args.dtype, gpus=args.gpus, placement=args.placement,
+                                  threads=args.threads, progress=not args.quiet) as model:
         if args.debug_routing:
             model.set_debug_routing(True)
-        model.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=0, seed=0)
-        report_out(model.expert_load(), args.out)
+        with Progress("prompts", unit="prompt", enabled=not args.quiet and model.rank == 0) as shown:
+            shown.start(len(prompts))
+            for i in range(0, len(prompts), args.batch_size):
+                batch = prompts[i:i + args.batch_size]
+                model.generate(batch, max_new_tokens=args.max_new_tokens, temperature=0, seed=0)
+                shown.update(len(batch))
+        report = model.expert_load()  # every rank takes part in gathering the counters
+        if model.rank == 0:
+            report_out(report, args.out)
     return 0
 
 
-def read_counts(path: Path) -> tuple[torch.Tensor, Placement | None]:
-    try:
-        data = json.loads(path.read_text())
-        counts = torch.tensor(data["counts"], dtype=torch.float64)
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{path}: not an expert_load.json report ({e})") from None
-    if counts.dim() != 2:
-        raise ValueError(f"{path}: 'counts' must be a [blocks][experts] table")
-    base = Placement.from_json(data["placement"]) if "placement" in data else None
-    return counts, base
-
-
-def plan_main(args: argparse.Namespace) -> int:
-    return run_command(_plan, args)
-
-
-def _plan(args: argparse.Namespace) -> int:
-    counts, base = read_counts(Path(args.report))
-    if args.gpus < 1 or args.replicas < 0:
-        raise ValueError("--gpus must be >= 1 and --replicas >= 0")
-    L, E = counts.shape
-    default = Placement.default(L, E, args.gpus)
-    before = base if base is not None and base.world_size == args.gpus else default
-    plan = plan_placement(counts, args.gpus, args.replicas, before).validate(L, E, args.gpus)
-    print(plan.table())
-    print(f"predicted max/mean rank load (mean over blocks): default {predicted_imbalance(counts, default):.3f}"
-          + (f", current {predicted_imbalance(counts, before):.3f}" if before is not default else "")
-          + f", planned {predicted_imbalance(counts, plan):.3f}")
-    plan.save(args.out)
-    print(f"wrote {args.out}")
-    return 0
+def run(argv: list[str] | None = None) -> int:
+    return run_command(expert_load, parse_args(argv))

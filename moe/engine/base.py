@@ -33,8 +33,10 @@ class Engine(Protocol):
     def reset_load_stats(self) -> None: ...
     def set_round_robin(self, enabled: bool) -> None: ...
 
-    def save(self, out: str, max_shard_bytes: int | None, tokenizer: str | None) -> list[dict]:
-        """Write a Hugging Face directory; per rank, the files it wrote and their bytes."""
+    def save(self, out: str, max_shard_bytes: int | None, tokenizer: str | None,
+             progress: bool = False) -> list[dict]:
+        """Write a Hugging Face directory; per rank, the files it wrote and their bytes. `progress`: rank 0
+        shows the bytes it has written."""
 
     def memory(self) -> list[float]:
         """Per rank, peak memory in MiB (resident on CPU, allocated on a GPU)."""

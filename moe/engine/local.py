@@ -13,6 +13,7 @@ from moe.checkpoint.distributed_save import save_distributed
 from moe.generation import GenerationResult, SamplingParams, generate_tokens
 from moe.memory import peak_memory_mib
 from moe.parallel.distributed import single_process
+from moe.progress import Progress
 from moe.reports.counters import local_load_stats, reset_load_stats, set_round_robin
 
 
@@ -55,8 +56,10 @@ class LocalEngine:
     def set_round_robin(self, enabled: bool) -> None:
         set_round_robin(self.model, enabled)
 
-    def save(self, out: str, max_shard_bytes: int | None, tokenizer: str | None) -> list[dict]:
-        return [save_distributed(self.model, self.model.cfg, out, single_process(), max_shard_bytes, tokenizer)]
+    def save(self, out: str, max_shard_bytes: int | None, tokenizer: str | None,
+             progress: bool = False) -> list[dict]:
+        return [save_distributed(self.model, self.model.cfg, out, single_process(), max_shard_bytes, tokenizer,
+                                 Progress("saving", unit="B", enabled=progress))]
 
     def memory(self) -> list[float]:
         return [peak_memory_mib(self.device)]

@@ -41,8 +41,9 @@ class RemoteEngine:
     def set_round_robin(self, enabled: bool) -> None:
         self._call("set_round_robin", enabled)
 
-    def save(self, out: str, max_shard_bytes: int | None, tokenizer: str | None) -> list[dict]:
-        return self._call("save", out, max_shard_bytes, tokenizer)
+    def save(self, out: str, max_shard_bytes: int | None, tokenizer: str | None,
+             progress: bool = False) -> list[dict]:
+        return self._call("save", out, max_shard_bytes, tokenizer, progress)
 
     def memory(self) -> list[float]:
         return self._call("memory")

@@ -20,6 +20,7 @@ from moe.generation import GenerationResult, SamplingParams, generate_tokens
 from moe.memory import peak_memory_mib
 from moe.parallel.distributed import DistContext
 from moe.parallel.placement import Placement
+from moe.progress import Progress
 from moe.reports.counters import local_load_stats, reset_load_stats, set_round_robin
 
 
@@ -127,8 +128,10 @@ class ShardedEngine:
     def set_round_robin(self, enabled: bool) -> None:
         set_round_robin(self.model, enabled)
 
-    def save(self, out: str, max_shard_bytes: int | None, tokenizer: str | None) -> list[dict]:
-        mine = save_distributed(self.model, self.model.cfg, out, self.dist, max_shard_bytes, tokenizer)
+    def save(self, out: str, max_shard_bytes: int | None, tokenizer: str | None,
+             progress: bool = False) -> list[dict]:
+        shown = Progress("saving", unit="B", enabled=progress and self.rank == 0)
+        mine = save_distributed(self.model, self.model.cfg, out, self.dist, max_shard_bytes, tokenizer, shown)
         return self.dist.all_gather_object(mine)
 
     def memory(self) -> list[float]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import os
-import tempfile
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,7 +122,13 @@ class ExpertLoadReport:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    """Write beside, then rename: a reader never sees half a report. A plain exclusive open (not mkstemp,
+    which makes owner-only files) gives the file the permissions the umask allows, like any other file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
+    try:
+        with open(tmp, "x") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

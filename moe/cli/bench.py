@@ -1,0 +1,193 @@
+"""Speed against Hugging Face transformers and against the machine's memory bandwidth.
+
+    python scripts/bench.py --size small --threads 2 --gpus 4 --json bench.json
+    python scripts/bench.py --size medium --dtype bfloat16
+
+Builds a random checkpoint of the named size (kept in --workdir), then measures, each case in a fresh
+process on the same weights and thread count: this project on 1 rank (with its oneDNN kernels and with
+torch's plain ones) and on --gpus ranks, and transformers' MixtralForCausalLM (when installed). Figures are
+medians over --repeats runs.
+
+Bounds: decode against memory bandwidth (weight bytes a step must read / step time), over the copy
+bandwidth counted as bytes copied per second (the issue's definition) and over the read bandwidth (the
+physical limit of a step that only reads weights); prefill against the matrix-product peak of torch's `a @ b`
+(the issue's definition; MKL on CPU) and of oneDNN (what this project runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from moe.bench.sizes import SIZES, write_sized_checkpoint
+from moe.bench.speed import (
+    NEW_TOKENS,
+    PREFILL,
+    checkpoint_config,
+    decode_bytes_per_token,
+    matmul_peak,
+    memory_bandwidth,
+    prefill_flops_per_token,
+    read_bandwidth,
+    warm_page_cache,
+)
+from moe.cli.common import run_command
+
+ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores visible)"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run_case(args: argparse.Namespace, impl: str, gpus: int, path: Path) -> dict | None:
+    cmd = [sys.executable, "-m", "moe.cli.bench", "--case", impl, "--ckpt", str(path), "--gpus", str(gpus),
+           "--dtype", args.dtype, "--threads", str(args.threads), "--repeats", str(args.repeats)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"  {impl} on {gpus} rank(s) failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def case_main(args: argparse.Namespace) -> None:
+    from moe.bench.speed import ours, transformers_case
+
+    if args.case.startswith("ours"):
+        attention = "replicated" if args.case == "ours-replicated" else "owner"
+        kernels = "torch" if args.case == "ours-torch-kernels" else "onednn"
+        result = ours(args.ckpt, args.gpus, args.dtype, args.threads, args.repeats, attention, kernels)
+    else:
+        result = transformers_case(args.ckpt, args.dtype, args.threads, args.repeats)
+    print(json.dumps(result))
+
+
+def machine_bounds(args: argparse.Namespace, path: Path) -> dict:
+    """The machine's limits and what they allow this model: decode steps/s by bandwidth, prefill by peak."""
+    cfg = checkpoint_config(path)
+    bandwidth, read = memory_bandwidth(args.threads), read_bandwidth(args.threads)
+    peaks = matmul_peak(args.threads, getattr(torch, args.dtype))
+    step_bytes = decode_bytes_per_token(cfg, ELEMENT_SIZE[args.dtype])
+    flops = prefill_flops_per_token(cfg, PREFILL)
+    b = {"cfg": cfg, "bandwidth": bandwidth, "read": read, "peaks": peaks, "step_bytes": step_bytes,
+         "decode": bandwidth * 1e9 / step_bytes, "decode_read": read * 1e9 / step_bytes,
+         "prefill": peaks["torch"] * 1e9 / flops, "prefill_onednn": peaks.get("onednn", peaks["torch"]) * 1e9 / flops}
+    print(f"machine: {cpu_name()}, {args.threads} thread(s); copy bandwidth {bandwidth:.1f} GB/s (bytes copied/s), "
+          f"read {read:.1f} GB/s; {args.dtype} matmul {peaks['torch']:.0f} GFLOP/s with torch (a @ b), "
+          f"{peaks.get('onednn', float('nan')):.0f} with oneDNN")
+    print(f"model: {path.name}, dim {cfg.dim}, {cfg.n_layers} blocks, {cfg.n_experts} experts top-{cfg.top_k}, "
+          f"{args.dtype}; a decode step reads {step_bytes / 1e6:.0f} MB -> bound {b['decode']:.1f} tokens/s at "
+          f"batch 1 (copy bandwidth), {b['decode_read']:.1f} (read); prefill bound {b['prefill']:.0f} tokens/s "
+          f"(torch peak), {b['prefill_onednn']:.0f} (oneDNN peak)")
+    return b
+
+
+def print_table(rows: dict, b: dict) -> None:
+    print(f"{'':>22} {'load':>6} {'prefill':>8} {'% torch':>7} {'% oneDNN':>8} {'TTFT':>6} {'decode b1':>9} "
+          f"{'% copy':>6} {'% read':>6} {'decode b8':>9} {'peak RSS':>14}")
+    print(f"{'case':>22} {'s':>6} {'tok/s':>8} {'peak':>7} {'peak':>8} {'ms':>6} {'tok/s':>9} "
+          f"{'bound':>6} {'bound':>6} {'tok/s':>9} {'MiB':>14}")
+    for name, r in rows.items():
+        b1, pre = 1 / r["decode1_step_s"], PREFILL / r["prefill_s"]
+        print(f"{name:>22} {r['load_s']:>6.2f} {pre:>8.0f} {100 * pre / b['prefill']:>6.0f}% "
+              f"{100 * pre / b['prefill_onednn']:>7.0f}% {r['ttft_s'] * 1e3:>6.0f} {b1:>9.1f} "
+              f"{100 * b1 / b['decode']:>5.0f}% {100 * b1 / b['decode_read']:>5.0f}% {8 / r['decode8_step_s']:>9.1f} "
+              f"{'/'.join(f'{m:.0f}' for m in r['peak_rss_mib']):>14}")
+
+
+def print_comparisons(rows: dict, gpus: int, cfg) -> None:
+    one, many = rows.get("ours x1"), rows.get(f"ours x{gpus}")
+    if one and many and gpus > 1:
+        rows_per_token = many["rows_per_block_per_token"]
+        print(f"{gpus} ranks: decode step {many['decode1_step_s'] * 1e3:.1f} ms = "
+              f"{many['decode1_step_s'] / one['decode1_step_s']:.2f} x the 1-rank step; rows exchanged per block "
+              f"and token: {', '.join(f'{x:.2f}' for x in rows_per_token)} (k = {cfg.top_k}), i.e. "
+              f"{cfg.top_k} x {cfg.dim} values each way")
+    replicated = rows.get(f"ours-replicated x{gpus}")
+    if many and replicated and gpus > 1:
+        print(f"{gpus} ranks, batches: plain (layer placement) {8 / many['decode8_step_s']:.1f} / "
+              f"{32 / many['decode32_step_s']:.1f} tok/s at batch 8 / 32; replicated attention "
+              f"{8 / replicated['decode8_step_s']:.1f} / {32 / replicated['decode32_step_s']:.1f} tok/s; greedy "
+              f"tokens {'identical' if many['tokens8_hash'] == replicated['tokens8_hash'] else 'DIFFERENT'}")
+    if "ours-torch-kernels x1" in rows and one:
+        plain_kernels = rows["ours-torch-kernels x1"]
+        print(f"oneDNN vs torch kernels (1 rank): decode b1 "
+              f"{plain_kernels['decode1_step_s'] / one['decode1_step_s']:.2f}x, prefill "
+              f"{plain_kernels['prefill_s'] / one['prefill_s']:.2f}x")
+    if "transformers x1" in rows and one:
+        hf = rows["transformers x1"]
+        print(f"vs transformers: decode b1 {hf['decode1_step_s'] / one['decode1_step_s']:.2f}x, decode b8 "
+              f"{hf['decode8_step_s'] / one['decode8_step_s']:.2f}x, prefill {hf['prefill_s'] / one['prefill_s']:.2f}x")
+
+
+def main(args: argparse.Namespace) -> int:
+    path = args.ckpt
+    if path is None:
+        path = args.workdir / args.size
+        if not (path / "config.json").exists():
+            print(f"writing a random {args.size} checkpoint to {path} ...")
+            write_sized_checkpoint(path, args.size)
+    bounds = machine_bounds(args, path)
+    impls = [("ours", 1), ("ours-torch-kernels", 1)]
+    if args.gpus > 1:
+        impls += [("ours", args.gpus), ("ours-replicated", args.gpus)]
+    try:
+        import transformers  # noqa: F401
+        impls.append(("transformers", 1))
+    except ImportError:
+        print("transformers is not installed: measuring this project only (pip install -e '.[bench]')")
+    warm_page_cache(path)
+    rows = {}
+    for impl, gpus in impls:
+        r = run_case(args, impl, gpus, path)
+        if r is not None:
+            rows[f"{impl} x{gpus}"] = r
+    print_table(rows, bounds)
+    print_comparisons(rows, args.gpus, bounds["cfg"])
+    if args.json:
+        args.json.write_text(json.dumps({"size": args.size, "dtype": args.dtype, "threads": args.threads,
+                                         "cpu": cpu_name(), "bandwidth_gbs": bounds["bandwidth"],
+                                         "read_gbs": bounds["read"], "matmul_gflops": bounds["peaks"],
+                                         "decode_bytes": bounds["step_bytes"], "new_tokens": NEW_TOKENS,
+                                         "prefill_tokens": PREFILL, "cases": rows}, indent=1) + "\n")
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=sorted(SIZES), default="small")
+    ap.add_argument("--ckpt", type=Path, default=None, help="use this checkpoint instead of a sized random one")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/moe-bench"), help="where sized checkpoints are kept")
+    ap.add_argument("--dtype", choices=sorted(ELEMENT_SIZE), default="float32")
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads (per rank for N ranks: --threads/N)")
+    ap.add_argument("--gpus", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--case", choices=["ours", "ours-torch-kernels", "ours-replicated", "transformers"],
+                    help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def run(argv: list[str] | None = None) -> int:
+    parsed = parse_args(argv)
+    if parsed.case:  # one case, in a process of its own (started by `run_case`)
+        case_main(parsed)
+        return 0
+    return run_command(main, parsed)
+
+
+if __name__ == "__main__":
+    sys.exit(run())

@@ -1,0 +1,48 @@
+"""The README cannot drift from the code: its Python examples and its first command run as a reader runs them.
+
+Each ```python block runs as a script of its own (no main guard, imports included) in a fresh process, from
+a clean working directory that holds only the shipped `weights/` (as the repository root would), twice: an
+example that writes a fixed path would fail the second time.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from tests.checkpoints import ROOT
+from tests.readme_blocks import blocks
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+
+def clean_dir(tmp_path):
+    (tmp_path / "weights").symlink_to(ROOT / "weights")
+    return tmp_path
+
+
+@pytest.mark.parametrize("index", range(len(blocks("python"))))
+def test_python_example_runs_as_a_plain_script_twice(index, tmp_path):
+    script = tmp_path / f"example{index}.py"
+    script.write_text(blocks("python")[index])
+    for attempt in range(2):
+        proc = subprocess.run([sys.executable, script.name], cwd=clean_dir(tmp_path) if attempt == 0 else tmp_path,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"run {attempt + 1}:\n{proc.stderr}"
+        assert proc.stdout.strip(), "an example prints what it shows"
+
+
+def test_first_command_generates_text(tmp_path):
+    """The README's first command after its installs, with few tokens, from the repository root."""
+    command = blocks("bash")[0].split("&&")[-1]
+    argv = shlex.split(command)
+    assert argv[:2] == ["python", "scripts/generate.py"], command
+    argv[argv.index("--max-new-tokens") + 1] = "8"
+    proc = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    prompt = argv[argv.index("--prompt") + 1]
+    continuation = proc.stdout.split(prompt, 1)[1].split("\nload ")[0]
+    assert len(continuation.split()) >= 4, proc.stdout
