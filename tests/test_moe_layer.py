@@ -76,3 +76,22 @@ def test_experts_without_tokens_do_not_run():
         layer.experts.w1[2:] = float("nan")  # would poison the output if experts 2, 3 ran
         out = layer(torch.randn(2, 64))
     assert torch.isfinite(out).all()
+
+
+def test_all_to_all_dispatcher_in_one_process_equals_the_local_one():
+    """The distributed context's one-process stand-in runs the cross-rank dispatcher without spawning ranks:
+    with one rank it must give the local dispatcher's answer exactly."""
+    from moe.parallel.dispatch import AllToAllDispatcher, SlotTable
+    from moe.parallel.distributed import single_process
+
+    layer = filled_layer(tiny_config(n_experts=4, top_k=2))
+    x = torch.randn(23, 64)
+    with torch.no_grad():
+        want = layer(x)
+        layer.dispatcher = AllToAllDispatcher(SlotTable(((0,), (0,), (0,), (0,)), world_size=1), single_process())
+        got = layer(x)
+        weights, ids = layer.gate(x)
+        rows, counts, meta = layer.dispatcher.dispatch(x, weights, ids)
+    assert torch.equal(got, want)
+    assert counts.tolist() == torch.bincount(ids.reshape(-1), minlength=4).tolist()  # rows per local expert
+    assert meta.sent_R == meta.received_R == [23 * 2] and rows.shape == (46, 64)

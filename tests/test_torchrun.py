@@ -32,10 +32,11 @@ def continuation(stdout: str) -> str:
     return lines[0]
 
 
-def test_printed_seed_reproduces_the_sampled_text():
+def test_printed_seed_reproduces_the_sampled_text(tmp_path):
     args = ("--ckpt", str(TRAINED), "--prompt", PROMPT, "--max-new-tokens", "16", "--temperature", "0.9")
-    run = script("generate", *args, ranks=2)
+    run = script("generate", *args, "--expert-load", str(tmp_path / "load"), ranks=2)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert (tmp_path / "load" / "expert_load.json").is_file()  # --expert-load is honoured under torchrun
     seed = re.search(r"seed=(\d+)", run.stdout).group(1)
     again = script("generate", *args, "--seed", seed)
     assert again.returncode == 0, again.stderr[-3000:]
