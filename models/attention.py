@@ -45,6 +45,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+@dataclass(frozen=True)
+class Padding:
+    """Left padding of each sequence of a request, made once per request: on the host for decisions (no
+    device read), and on the model's device for masks and positions (no copy per step)."""
+
+    longest: int  # > 0: a Padding exists only when some sequence is padded
+    host_B: torch.Tensor  # [B] long, on the CPU
+    device_B: torch.Tensor  # [B] long, on the model's device
+
+    @classmethod
+    def of(cls, pad_B: torch.Tensor | None, device: torch.device | str) -> Padding | None:
+        """From a [B] CPU tensor of left-padding counts (None when no sequence is padded)."""
+        if pad_B is None:
+            return None
+        pads = pad_B.tolist()  # a CPU tensor, once per request
+        if not pads or max(pads) == 0:
+            return None
+        return cls(max(pads), pad_B.cpu(), pad_B.to(device))
+
+
 @dataclass
 class AttentionContext:
     """Everything the attention of one forward call needs besides its input; built once per call."""
@@ -56,11 +76,11 @@ class AttentionContext:
     is_causal: bool = False  # with mask None: causal (a prompt from slot 0) or, if False, every key visible
 
     @classmethod
-    def build(cls, cfg: ModelConfig, batch: int, seq: int, start: int, pad_B: torch.Tensor | None,
+    def build(cls, cfg: ModelConfig, batch: int, seq: int, start: int, padding: Padding | None,
               device: torch.device, dtype: torch.dtype) -> AttentionContext:
         q_slot = torch.arange(start, start + seq, device=device)  # [S]
-        padded = pad_B is not None and int(pad_B.max()) > 0  # pad_B lives on the CPU: no device sync
-        pad = pad_B.to(device) if padded else torch.zeros(batch, dtype=torch.long, device=device)
+        padded = padding is not None
+        pad = padding.device_B if padded else None
         positions = (q_slot[None, :] - pad[:, None]).clamp(min=0) if padded else q_slot[None, :].expand(batch, -1)
         cos, sin = rotary_tables(positions, cfg.head_dim, cfg.rope_theta, dtype)
         window_cuts = cfg.sliding_window is not None and start + seq > cfg.sliding_window
@@ -71,10 +91,12 @@ class AttentionContext:
         causal = k_slot[None, :] <= q_slot[:, None]  # [S, L]
         if cfg.sliding_window is not None:
             causal &= k_slot[None, :] > q_slot[:, None] - cfg.sliding_window
-        # Padding slots are never attended to; a padding query still sees itself so no row is all -inf (NaN).
-        real_key = k_slot[None, :] >= pad[:, None]  # [B, L]
-        diagonal = k_slot[None, :] == q_slot[:, None]  # [S, L]
-        mask = causal[None] & (real_key[:, None, :] | diagonal[None])
+        mask = causal[None]  # [1, S, L]: the same for every sequence
+        if padded:
+            # Padding slots are never attended to; a padding query still sees itself so no row is all -inf (NaN).
+            real_key = k_slot[None, :] >= pad[:, None]  # [B, L]
+            diagonal = k_slot[None, :] == q_slot[:, None]  # [S, L]
+            mask = causal[None] & (real_key[:, None, :] | diagonal[None])  # [B, S, L]
         return cls(start=start, cos=cos, sin=sin, mask=mask[:, None])
 
 

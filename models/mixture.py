@@ -63,10 +63,11 @@ class GroupedExperts(nn.Module):
         # Per stacked expert, (w1, w2, w3) in oneDNN's layout for CPU inference (models.cpu_kernels).
         self.packed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
-    def forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor) -> torch.Tensor:
-        """x_ND holds counts_El[0] copies for stacked expert 0, then counts_El[1] for expert 1, ..."""
-        # One host sync per layer: the split sizes decide which experts run and on which rows.
-        counts = counts_El.tolist()
+    def forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor | list[int]) -> torch.Tensor:
+        """x_ND holds counts_El[0] copies for stacked expert 0, then counts_El[1] for expert 1, ...
+        A dispatcher that already read the counts on the host passes them as a list."""
+        # One host sync per layer (none if the dispatcher read them): the counts decide which experts run.
+        counts = counts_El.tolist() if isinstance(counts_El, torch.Tensor) else counts_El
         if self.packed is not None:
             weights, linear = self.packed, cpu_kernels.linear
         elif torch.is_grad_enabled() and self.w1.requires_grad:
@@ -127,11 +128,17 @@ class Grouping:
     counts_E: torch.Tensor  # copies per expert (global ids)
 
 
+def count_per_id(ids_N: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] occurrences of each id: a fixed-size scatter_add, so no host sync (bincount's output size needs
+    one on CUDA)."""
+    return torch.zeros(n, dtype=torch.long, device=ids_N.device).scatter_add_(0, ids_N, torch.ones_like(ids_N))
+
+
 def group_by_expert(ids_TK: torch.Tensor, n_experts: int) -> Grouping:
     flat_ids = ids_TK.reshape(-1)
     # Stable sort keeps copies of one expert in token order, so results are deterministic.
     order = torch.sort(flat_ids, stable=True).indices
-    counts = torch.bincount(flat_ids, minlength=n_experts)
+    counts = count_per_id(flat_ids, n_experts)
     return Grouping(order_N=order, token_N=order // ids_TK.shape[1], counts_E=counts)
 
 
@@ -187,9 +194,7 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, decoding: bool = False) -> torch.Tensor:
         weights_TK, ids_TK = self.gate(x_TD)
-        ids_N = ids_TK.reshape(-1)
-        # scatter_add_ into a fixed-size counter: no host sync (bincount's output size needs one on CUDA).
-        self.load_counts[int(decoding)].scatter_add_(0, ids_N, torch.ones_like(ids_N))
+        self.load_counts[int(decoding)] += count_per_id(ids_TK.reshape(-1), self.n_experts)  # on device, no sync
         return self.run_experts(x_TD, weights_TK, ids_TK)
 
     def run_experts(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:

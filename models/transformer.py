@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.attention import Attention, AttentionContext, KVCache, RMSNorm
+from models.attention import Attention, AttentionContext, KVCache, Padding, RMSNorm
 from models.basic import Embedding, Linear
 from models.config import ModelConfig
 from models.mixture import MoEFeedForward
@@ -59,15 +59,15 @@ class Transformer(nn.Module):
                 for name in self.layers}
 
     def forward(self, tokens_BS: torch.Tensor, start: int = 0, caches: dict[str, KVCache] | None = None,
-                pad_B: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
-        """Logits [B, S, V] for tokens at cache slots start..start+S; `pad_B` counts each row's left padding.
+                padding: Padding | None = None, last_only: bool = False) -> torch.Tensor:
+        """Logits [B, S, V] for tokens at cache slots start..start+S; `padding`: each row's left padding.
 
         `last_only` projects only the last position ([B, 1, V]): generation needs nothing else from a prefill.
         """
         B, S = tokens_BS.shape
         h = self.tok_embeddings(tokens_BS)
-        ctx = AttentionContext.build(self.cfg, B, S, start, pad_B, h.device, h.dtype)
-        rows = real_token_rows(pad_B, S, start, h.device)
+        ctx = AttentionContext.build(self.cfg, B, S, start, padding, h.device, h.dtype)
+        rows = real_token_rows(padding, S, start, h.device)
         for name, block in self.layers.items():
             h = block(h, ctx, caches[name] if caches is not None else None, rows)
         if last_only:
@@ -75,14 +75,10 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
 
-def real_token_rows(pad_B: torch.Tensor | None, seq: int, start: int,
-                    device: torch.device) -> torch.Tensor | None:
-    """Flat indices (on `device`) of non-padding tokens, or None when every token is real.
-
-    Reads the padding on the CPU, so a decode step on a GPU costs no host sync here.
-    """
-    pad_B = pad_B.cpu() if pad_B is not None else None
-    if pad_B is None or start >= int(pad_B.max()):
+def real_token_rows(padding: Padding | None, seq: int, start: int, device: torch.device) -> torch.Tensor | None:
+    """Flat indices (on `device`) of non-padding tokens, or None when every token is real (every decode step
+    once the prompts are in). Computed from the host copy of the padding: no device read."""
+    if padding is None or start >= padding.longest:
         return None
     slots = torch.arange(start, start + seq)
-    return (slots[None, :] >= pad_B[:, None]).reshape(-1).nonzero().squeeze(1).to(device)
+    return (slots[None, :] >= padding.host_B[:, None]).reshape(-1).nonzero().squeeze(1).to(device)

@@ -38,9 +38,16 @@ class Stepper(Protocol):
     """What the generation loop needs of an engine: a cache, a forward pass of new tokens, and the sampled
     tokens shared from the rank that holds the head (logits are None on the other ranks)."""
 
-    def start(self, batch: int, length: int) -> None: ...
-    def forward_last(self, tokens_BS: torch.Tensor, start: int, pad_B: torch.Tensor) -> torch.Tensor | None: ...
-    def share(self, tokens_B: torch.Tensor) -> torch.Tensor: ...
+    def start(self, batch: int, length: int, pad_B: torch.Tensor) -> None:
+        """A request of `batch` sequences, `length` cache slots each, left-padded by pad_B (CPU)."""
+
+    def forward_last(self, tokens_BS: torch.Tensor, start: int) -> torch.Tensor | None: ...
+
+    def share(self, tokens_B: torch.Tensor) -> torch.Tensor:
+        """The head's rank's tokens on every rank, on the engine's device."""
+
+    @property
+    def device(self) -> torch.device: ...
 
 
 def sample(logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
@@ -103,20 +110,22 @@ def generate_tokens(engine: Stepper, prompts: list[list[int]], params: SamplingP
     tokens, pad = left_pad(prompts)
     B, P = tokens.shape
     steps = min(params.max_new_tokens, context - P)
-    engine.start(B, P + steps)
+    engine.start(B, P + steps, pad)
     generator = None  # made on the logits' device (a CPU generator cannot drive sampling on a GPU)
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
-    logits = engine.forward_last(tokens, 0, pad)
+    logits = engine.forward_last(tokens, 0)
     t_prefill = None
     for step in range(steps):
         if logits is not None and generator is None:
             generator = torch.Generator(device=logits.device).manual_seed(params.seed)
-        nxt = sample(logits, params, generator) if logits is not None else torch.zeros(B, dtype=torch.long)
-        nxt = engine.share(nxt)
+        nxt = sample(logits, params, generator) if logits is not None else torch.zeros(B, dtype=torch.long,
+                                                                                         device=engine.device)
+        nxt = engine.share(nxt)  # stays on the device: the next step's input
+        host = nxt.tolist()  # the step's one read of the tokens: control flow (EOS, streaming) runs on the host
         if t_prefill is None:
             t_prefill = time.perf_counter()  # first token known everywhere: prefill done
-        for b, t in enumerate(nxt.tolist()):
+        for b, t in enumerate(host):
             if done[b]:
                 continue
             if t == eos_id:
@@ -127,6 +136,6 @@ def generate_tokens(engine: Stepper, prompts: list[list[int]], params: SamplingP
                 on_token(b, t)
         if all(done) or step == steps - 1:
             break
-        logits = engine.forward_last(nxt[:, None], P + step, pad)
+        logits = engine.forward_last(nxt[:, None], P + step)
     t_end = time.perf_counter()
     return GenerationResult(out, sum(len(p) for p in prompts), t_prefill - t0, t_end - t_prefill)

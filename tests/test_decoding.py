@@ -40,10 +40,10 @@ def test_padded_batch_logits_equal_single_prompt_logits(model):
     long, short = [1, 4, 5, 6, 7, 8, 9], [1, 20, 21]
     from moe.generation import left_pad
     tokens, pad = left_pad([long, short])
-    engine.start(2, tokens.shape[1])
-    batched = engine.forward_last(tokens, 0, pad)
-    engine.start(1, len(short))
-    alone = engine.forward_last(torch.tensor([short]), 0, torch.zeros(1, dtype=torch.long))
+    engine.start(2, tokens.shape[1], pad)
+    batched = engine.forward_last(tokens, 0)
+    engine.start(1, len(short), torch.zeros(1, dtype=torch.long))
+    alone = engine.forward_last(torch.tensor([short]), 0)
     assert (batched[1] - alone[0]).abs().max().item() < 1e-5
 
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from models.attention import KVCache
+from models.attention import KVCache, Padding
 from models.transformer import Transformer
 from moe.checkpoint.distributed_save import save_distributed
 from moe.generation import GenerationResult, SamplingParams, generate_tokens
@@ -21,21 +21,23 @@ class LocalEngine:
     def __init__(self, model: Transformer) -> None:
         self.model = model
         self.caches: dict[str, KVCache] | None = None
+        self.padding: Padding | None = None
 
     @property
     def device(self) -> torch.device:
         return self.model.norm.weight.device
 
     # -- stepping (moe.generation.Stepper) ---------------------------------------------------------
-    def start(self, batch: int, length: int) -> None:
+    def start(self, batch: int, length: int, pad_B: torch.Tensor) -> None:
         self.caches = self.model.make_caches(batch, length)
+        self.padding = Padding.of(pad_B, self.device)
 
     @torch.inference_mode()
-    def forward_last(self, tokens_BS: torch.Tensor, start: int, pad_B: torch.Tensor) -> torch.Tensor:
-        return self.model(tokens_BS.to(self.device), start, self.caches, pad_B, last_only=True)[:, -1]
+    def forward_last(self, tokens_BS: torch.Tensor, start: int) -> torch.Tensor:
+        return self.model(tokens_BS.to(self.device), start, self.caches, self.padding, last_only=True)[:, -1]
 
     def share(self, tokens_B: torch.Tensor) -> torch.Tensor:
-        return tokens_B.cpu()
+        return tokens_B
 
     # -- the Engine interface ----------------------------------------------------------------------
     def generate(self, ids: list[list[int]], params: SamplingParams, eos: int | None, context: int,

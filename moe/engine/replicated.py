@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from models.attention import Padding
 from moe.engine.sharded import ShardedEngine
 
 
@@ -24,19 +25,19 @@ class ReplicatedAttentionEngine(ShardedEngine):
     def my_rows(self, batch: int) -> torch.Tensor:
         return torch.tensor_split(torch.arange(batch), self.dist.world_size)[self.rank]
 
-    def start(self, batch: int, length: int) -> None:
-        rows = len(self.my_rows(batch))
-        self.caches = self.model.make_caches(rows, length) if rows else {}
+    def start(self, batch: int, length: int, pad_B: torch.Tensor) -> None:
+        rows = self.my_rows(batch)
+        self.caches = self.model.make_caches(len(rows), length) if len(rows) else {}
+        self.padding = Padding.of(pad_B[rows], self.dist.device)
 
     @torch.inference_mode()
-    def tokens_to_logits(self, tokens_BS: torch.Tensor, start: int, pad_B: torch.Tensor | None,
+    def tokens_to_logits(self, tokens_BS: torch.Tensor, start: int, padding: Padding | None,
                          caches, last_only: bool) -> torch.Tensor | None:
         B, S = tokens_BS.shape
         rows = self.my_rows(B)
         device = self.dist.device
         if len(rows):
-            local = self.model(tokens_BS[rows].to(device), start, caches, pad_B[rows] if pad_B is not None else None,
-                               last_only=last_only)
+            local = self.model(tokens_BS[rows].to(device), start, caches, padding, last_only=last_only)
         else:
             local = None
             for block in self.model.layers.values():

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from models.attention import AttentionContext, KVCache
+from models.attention import AttentionContext, KVCache, Padding
 from models.transformer import Transformer, real_token_rows
 from moe.checkpoint.distributed_save import save_distributed
 from moe.generation import GenerationResult, SamplingParams, generate_tokens
@@ -30,6 +30,7 @@ class ShardedEngine:
         self.rank = dist.rank
         self.owns_group = False  # under torchrun the engine leaves the group on close()
         self.caches: dict[str, KVCache] = {}
+        self.padding: Padding | None = None
         self.my_blocks = placement.blocks_of(self.rank)
         cfg = model.cfg  # what a rank sends when it has no token of its own in a block: made once, not per step
         self.no_rows = (torch.empty(0, cfg.dim, dtype=dtype, device=dist.device),
@@ -42,19 +43,23 @@ class ShardedEngine:
         return self.placement.head_rank
 
     # -- stepping (moe.generation.Stepper) ---------------------------------------------------------
-    def start(self, batch: int, length: int) -> None:
+    def start(self, batch: int, length: int, pad_B: torch.Tensor) -> None:
         cfg = self.model.cfg
         self.caches = {str(i): KVCache(batch, cfg.n_kv_heads, length, cfg.head_dim, self.dtype, self.dist.device)
                        for i in self.my_blocks}
+        self.padding = Padding.of(pad_B, self.dist.device)
 
-    def forward_last(self, tokens_BS: torch.Tensor, start: int, pad_B: torch.Tensor) -> torch.Tensor | None:
-        logits = self.tokens_to_logits(tokens_BS, start, pad_B, self.caches, last_only=True)
+    def forward_last(self, tokens_BS: torch.Tensor, start: int) -> torch.Tensor | None:
+        logits = self.tokens_to_logits(tokens_BS, start, self.padding, self.caches, last_only=True)
         return logits[:, -1] if logits is not None else None
 
     def share(self, tokens_B: torch.Tensor) -> torch.Tensor:
         """The head's rank decided the next tokens; every rank gets them (and so takes the same decisions)."""
-        t = tokens_B.to(self.dist.device)
-        return self.dist.broadcast(t, self.head_rank).cpu()
+        return self.dist.broadcast(tokens_B.to(self.dist.device), self.head_rank)
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist.device
 
     def _move(self, h: torch.Tensor | None, src: int, dst: int, shape: tuple[int, ...]) -> torch.Tensor | None:
         """Hand the hidden states from one owner to the next; only those two ranks take part."""
@@ -68,7 +73,7 @@ class ShardedEngine:
         return None
 
     @torch.inference_mode()
-    def tokens_to_logits(self, tokens_BS: torch.Tensor, start: int, pad_B: torch.Tensor | None,
+    def tokens_to_logits(self, tokens_BS: torch.Tensor, start: int, padding: Padding | None,
                          caches: dict[str, KVCache] | None, last_only: bool) -> torch.Tensor | None:
         """Logits on the head's rank, None elsewhere."""
         cfg, p = self.model.cfg, self.placement
@@ -76,9 +81,8 @@ class ShardedEngine:
         shape = (B, S, cfg.dim)
         device = self.dist.device
         h = self.model.tok_embeddings(tokens_BS.to(device)) if self.rank == p.embed_rank else None
-        # The padding stays on the CPU (the generation loop made it there); the context copies it over.
-        ctx = AttentionContext.build(cfg, B, S, start, pad_B, device, self.dtype) if self.my_blocks else None
-        rows = real_token_rows(pad_B, S, start, device)
+        ctx = AttentionContext.build(cfg, B, S, start, padding, device, self.dtype) if self.my_blocks else None
+        rows = real_token_rows(padding, S, start, device)
         holder = p.embed_rank
         for name, block in self.model.layers.items():
             owner = p.block_ranks[int(name)]

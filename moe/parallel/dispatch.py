@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.mixture import Dispatched, weighted_sum
+from models.mixture import Dispatched, count_per_id, weighted_sum
 from moe.parallel.distributed import DistContext
 
 
@@ -46,7 +46,7 @@ class SlotTable:
             return self.slot_of[ids_N, 0]
         order = torch.sort(ids_N, stable=True).indices
         sorted_ids = ids_N[order]
-        counts = torch.bincount(ids_N, minlength=self.slot_of.shape[0])
+        counts = count_per_id(ids_N, self.slot_of.shape[0])
         starts = torch.cumsum(counts, 0) - counts
         ordinal = torch.empty_like(ids_N)
         ordinal[order] = torch.arange(ids_N.numel(), device=ids_N.device) - starts[sorted_ids] + self.seen[sorted_ids]
@@ -54,10 +54,12 @@ class SlotTable:
         return self.slot_of[ids_N, ordinal % self.n_replicas[ids_N]]
 
 
-def chunk_order(counts_RM: torch.Tensor) -> torch.Tensor:
-    """Rows arrive grouped (source rank, slot); return the permutation that groups them (slot, source rank)."""
+def chunk_order(counts_RM: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """Rows arrive grouped (source rank, slot); return the permutation that groups them (slot, source rank).
+    `total` (the rows received, known on the host) spares repeat_interleave a host sync for its output size."""
     R, M = counts_RM.shape
-    chunk = torch.repeat_interleave(torch.arange(R * M, device=counts_RM.device), counts_RM.reshape(-1))
+    chunk = torch.repeat_interleave(torch.arange(R * M, device=counts_RM.device), counts_RM.reshape(-1),
+                                    output_size=total)
     key = (chunk % M) * R + chunk // M
     return torch.sort(key, stable=True).indices
 
@@ -106,22 +108,26 @@ class AllToAllDispatcher:
         self.received_rows = 0  # token copies this rank's experts computed, for measured load reports
 
     def dispatch(self, x_TD: torch.Tensor, weights_TK: torch.Tensor,
-                 ids_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Exchanged]:
-        """(rows for this rank's experts grouped by local expert, rows per local expert, metadata)."""
+                 ids_TK: torch.Tensor) -> tuple[torch.Tensor, list[int], Exchanged]:
+        """(rows for this rank's experts grouped by local expert, rows per local expert (host), metadata)."""
         R, M = self.dist.world_size, self.table.slots_per_rank
         slot_N = self.table.slots(ids_TK.reshape(-1))
         order_N = torch.sort(slot_N, stable=True).indices  # grouped by slot = by destination rank, then expert
-        send_RM = torch.bincount(slot_N, minlength=R * M).view(R, M)
+        send_RM = count_per_id(slot_N, R * M).view(R, M)
         recv_RM = self.dist.all_to_all(torch.empty_like(send_RM), send_RM)
-        # One host sync per block: the split sizes of the row exchange.
-        sent_R, received_R = torch.stack([send_RM.sum(1), recv_RM.sum(1)]).tolist()
+        # The one host sync of the block: the split sizes of the row exchange, and (from the same read)
+        # the rows each local expert receives.
+        both = torch.cat([send_RM.sum(1), recv_RM.reshape(-1)]).tolist()
+        sent_R, recv_RM_host = both[:R], [both[R + r * M:R + (r + 1) * M] for r in range(R)]
+        received_R = [sum(row) for row in recv_RM_host]
+        per_expert = [sum(row[m] for row in recv_RM_host) for m in range(self.n_local)]
         self.last_split_sizes = (sent_R, received_R)
         self.received_rows += sum(received_R)
         token_N = order_N // max(ids_TK.shape[1], 1)
         rows = exchange(x_TD[token_N], received_R, sent_R, self.dist)  # [received, D], by (source, slot)
-        by_slot = chunk_order(recv_RM)
+        by_slot = chunk_order(recv_RM, sum(received_R))
         meta = Exchanged(token_N, weights_TK.reshape(-1)[order_N], x_TD.shape[0], sent_R, received_R, by_slot)
-        return rows[by_slot], recv_RM.sum(0)[: self.n_local], meta
+        return rows[by_slot], per_expert, meta
 
     def combine(self, y_ND: torch.Tensor, meta: Exchanged) -> torch.Tensor:
         y_back = y_ND[torch.argsort(meta.by_slot_M)]  # back to (source, slot) order

@@ -1,0 +1,68 @@
+"""Host syncs per decode step (invariant "one code path on every device"): at most one per MoE block on every
+rank (the exchange's split sizes, reused for the local experts' counts) and at most two per step for the
+sampled tokens. Counted by what each call is (`moe.bench.syncs`), so a CPU run checks what a GPU would pay."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moe import MoEModel
+from moe.bench.syncs import HostSyncCounter
+from moe.generation import SamplingParams, generate_tokens
+from moe.parallel.distributed import init_process_group
+from moe.parallel.placement import Placement
+from moe.workers.group import run_ranks
+from moe.workers.rank import ShardSpec, load_shard
+from tests.checkpoints import SHIPPED
+
+PROMPTS = [[1, 15, 27, 99, 7], [1, 300, 41, 8, 8]]  # equal lengths: decode steps only, no padding rows
+
+
+def syncs_per_decode_step(engine, steps=(4, 12)) -> float:
+    """Syncs of a run of `steps[1]` new tokens minus one of `steps[0]`, per extra step: the decode step alone."""
+    totals = []
+    for n in steps:
+        with HostSyncCounter() as counter:
+            generate_tokens(engine, PROMPTS, SamplingParams(n, 0.0, 1.0, 0, 0), None, 10**6)
+        totals.append(counter.total)
+    return (totals[1] - totals[0]) / (steps[1] - steps[0])
+
+
+def test_one_rank_decode_step_syncs_once_per_block_and_once_for_the_tokens():
+    model = MoEModel.from_pretrained(SHIPPED)
+    per_step = syncs_per_decode_step(model.engine)
+    blocks = model.config.n_layers
+    assert per_step <= blocks + 2
+    assert per_step == blocks + 1  # exactly: the experts' counts in each block, and the sampled tokens
+
+
+def _count_on_rank(rank: int, world_size: int, port: int, out: str) -> None:
+    dist = init_process_group(rank, world_size, "127.0.0.1", port)
+    cfg = MoEModel.from_pretrained(SHIPPED).config
+    plan = Placement.default(cfg.n_layers, cfg.n_experts, world_size)
+    engine, _ = load_shard(ShardSpec(str(SHIPPED), "float32", plan.to_json()), dist)
+    per_step = syncs_per_decode_step(engine)
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump({"per_step": per_step, "blocks": cfg.n_layers}, f)
+    dist.destroy()
+
+
+@pytest.mark.multiprocess
+def test_two_rank_decode_step_syncs_once_per_block_on_every_rank(tmp_path):
+    run_ranks(_count_on_rank, 2, str(tmp_path))
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        # Every rank enters every block's exchange (split sizes: one sync each), plus the shared tokens.
+        assert got["per_step"] <= got["blocks"] + 2, (rank, got)
+        assert got["per_step"] == got["blocks"] + 1, (rank, got)
+
+
+def test_the_counter_sees_what_would_block_on_a_gpu():
+    t = torch.arange(6)
+    with HostSyncCounter() as c:
+        t.tolist(), t[t > 2], torch.bincount(t), t.repeat_interleave(t), int(t[0])
+        t.repeat_interleave(t, output_size=15), t[1:3], t + 1, t.to(torch.float32), t.cpu()  # none of these
+    assert c.by_call == {"tolist": 1, "__getitem__": 1, "bincount": 1, "repeat_interleave": 1, "__int__": 1}
