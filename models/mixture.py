@@ -31,8 +31,11 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(n_experts, dim)) if n_experts > 1 else None
         # Debug mode: copy j of token t goes to expert (t*K + j) % E, weight 1/K; exact loads for tests.
         self.round_robin = False
-        # Sum over routed tokens of the entropy of the full router distribution (for load reports).
+        # Sum over routed tokens of the entropy of the full router distribution (for load reports), kept only
+        # when asked for: it costs a few kernels per block and step that a plain decode should not pay.
+        self.track_entropy = False
         self.register_buffer("entropy_sum", torch.zeros((), dtype=torch.float64), persistent=False)
+        self.register_buffer("entropy_tokens", torch.zeros((), dtype=torch.float64), persistent=False)
         # Training keeps the last gate logits (with their graph) for the load-balancing loss.
         self.last_logits_TE: torch.Tensor | None = None
 
@@ -43,9 +46,11 @@ class Router(nn.Module):
             weights_TK = torch.full((T, self.top_k), 1.0 / self.top_k, device=x_TD.device)
             return weights_TK, ids_TK
         logits_TE = F.linear(x_TD, self.weight).float()
-        with torch.no_grad():
-            logp_TE = torch.log_softmax(logits_TE, dim=-1)
-            self.entropy_sum -= (logp_TE.exp() * logp_TE).sum().double()
+        if self.track_entropy:
+            with torch.no_grad():
+                logp_TE = torch.log_softmax(logits_TE, dim=-1)
+                self.entropy_sum -= (logp_TE.exp() * logp_TE).sum().double()
+                self.entropy_tokens += T
         if self.training:
             self.last_logits_TE = logits_TE
         top_logits_TK, ids_TK = torch.topk(logits_TE, self.top_k, dim=-1)

@@ -24,8 +24,9 @@ from moe.engine.base import Engine
 from moe.engine.build import build_model
 from moe.engine.local import LocalEngine
 from moe.generation import SamplingParams, check_prompts
-from moe.memory import peak_memory_mib
-from moe.parallel.distributed import from_torchrun
+from moe.memory import MemoryUse, peak_memory_mib
+from moe.parallel.devices import resolve_device
+from moe.parallel.distributed import DEFAULT_TIMEOUT_S, from_torchrun
 from moe.parallel.placement import Placement, resolve_placement
 from moe.progress import Progress
 from moe.reports.expert_load import ExpertLoadReport
@@ -61,19 +62,23 @@ class MoEModel:
         self._lock = threading.Lock()  # one call at a time: the ranks run one request in lock-step
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype | None = None, device: str = "cpu",
+    def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype | None = None, device: str = "auto",
                         gpus: int = 1, placement: Placement | str | Path | dict | None = None,
                         blocks_per_rank: list[int] | None = None, master_port: int | None = None,
                         threads: int | None = None, progress: bool = False, attention: str = "owner",
-                        cpu_kernels: str = "onednn") -> MoEModel:
+                        cpu_kernels: str = "onednn", timeout_s: float = DEFAULT_TIMEOUT_S) -> MoEModel:
         """Load a Hugging Face or Mistral consolidated directory.
 
-        With `gpus=N > 1`, N ranks (one GPU each, or CPU processes over gloo without CUDA) share the model
+        `device`: "auto" (CUDA when there is a GPU for every rank, CPU when there is none), "cuda", "cpu"
+        (or "cuda:N" for one rank); more GPU ranks than GPUs is an error, never a silent fall back to CPU.
+        With `gpus=N > 1`, N ranks (one GPU each with NCCL, or CPU processes over gloo) share the model
         under `placement` (default: contiguous block ranges, experts of every block spread over all ranks);
         the ranks are fresh interpreters, so this works from any script, `python -c` or a notebook, and they
         stop on `close()`, at the end of a `with` block, or at interpreter exit. Under torchrun (RANK and
         WORLD_SIZE set) this process joins the given group as one rank instead, and every rank makes the same
         calls. `progress` shows checkpoint reading on rank 0 (a bar on a terminal, a line per file).
+        `timeout_s` is how long a collective waits for the slowest rank (loading, saving); a rank that dies
+        is found within seconds regardless.
         `attention="replicated"` gives every rank the dense weights and its own slice of the batch (for
         throughput on batches); the experts stay placed. `cpu_kernels="onednn"` (on CPU, fp32/bf16) keeps
         linear weights in oneDNN's layout, about 2x faster than torch's default CPU products here; "torch"
@@ -91,22 +96,33 @@ class MoEModel:
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention={attention!r}: use one of {', '.join(ATTENTION_MODES)}")
         base = dict(format=ckpt.fmt, dtype=dtype_name, cpu_kernels=cpu_kernels, attention=attention)
-        joined = from_torchrun()
+        joined = from_torchrun(device, timeout_s)
         if joined is not None:
             return cls._join_torchrun(path, cfg, tokenizer, base, joined, gpus, placement, blocks_per_rank, progress)
+        kind = resolve_device(device, gpus)
         if gpus == 1 and placement is None:
-            baseline = peak_memory_mib(device)
-            model, _, stats = build_model(path, dtype_name, device, progress=Progress.for_loading(progress),
-                                          pack=cpu_kernels == "onednn")
-            info = ModelInfo(**base, ranks=1, backend="none", launch="local", load_seconds=[stats["load_seconds"]],
-                             bytes_read=[stats["bytes_read"]], files_read=[stats["files_read"]], pids=[os.getpid()],
-                             baseline_mib=[baseline], loaded_peak_mib=[peak_memory_mib(device)])
-            return cls(LocalEngine(model), cfg, tokenizer, info)
+            return cls._load_here(path, cfg, tokenizer, base, device if device.startswith("cuda:") else kind,
+                                  progress)
+        plan = resolve_placement(placement, cfg.n_layers, cfg.n_experts, gpus, blocks_per_rank)
+        spec = ShardSpec(str(path), dtype_name, plan.to_json(), progress, attention, cpu_kernels, kind, timeout_s)
+        return cls._start_ranks(spec, cfg, tokenizer, base, gpus, plan, master_port, threads)
+
+    @classmethod
+    def _load_here(cls, path, cfg, tokenizer, base: dict, device: str, progress: bool) -> MoEModel:
+        baseline = peak_memory_mib(device)
+        model, _, stats = build_model(path, base["dtype"], device, progress=Progress.for_loading(progress),
+                                      pack=base["cpu_kernels"] == "onednn")
+        info = ModelInfo(**base, ranks=1, backend="none", launch="local", load_seconds=[stats["load_seconds"]],
+                         bytes_read=[stats["bytes_read"]], files_read=[stats["files_read"]], pids=[os.getpid()],
+                         baseline_mib=[baseline], loaded_peak_mib=[peak_memory_mib(device)])
+        return cls(LocalEngine(model), cfg, tokenizer, info)
+
+    @classmethod
+    def _start_ranks(cls, spec: ShardSpec, cfg, tokenizer, base: dict, gpus: int, plan: Placement,
+                     master_port: int | None, threads: int | None) -> MoEModel:
         from moe.engine.remote import RemoteEngine
         from moe.workers.group import WorkerGroup
 
-        plan = resolve_placement(placement, cfg.n_layers, cfg.n_experts, gpus, blocks_per_rank)
-        spec = ShardSpec(str(path), dtype_name, plan.to_json(), progress, attention, cpu_kernels)
         group = WorkerGroup(gpus, spec, master_port, threads)
         ready = group.ready
         info = ModelInfo(**base, ranks=gpus, backend=ready[0]["backend"], launch="processes", placement=plan,
@@ -126,7 +142,8 @@ class MoEModel:
             raise ValueError(f"gpus={gpus}: under torchrun the ranks are torchrun's (WORLD_SIZE={dist.world_size}); "
                              "leave gpus out")
         plan = resolve_placement(placement, cfg.n_layers, cfg.n_experts, dist.world_size, blocks_per_rank)
-        spec = ShardSpec(str(path), base["dtype"], plan.to_json(), progress, base["attention"], base["cpu_kernels"])
+        spec = ShardSpec(str(path), base["dtype"], plan.to_json(), progress, base["attention"], base["cpu_kernels"],
+                         dist.device.type)
         baseline = peak_memory_mib(dist.device)
         engine, stats = load_shard(spec, dist)
         engine.owns_group = True
@@ -218,10 +235,14 @@ class MoEModel:
         with self._lock:
             return self.engine.save(str(path.resolve()), size, tokenizer, progress)
 
-    def peak_memory_mib(self) -> list[float]:
-        """Peak memory of each rank in MiB (resident on CPU, allocated on a GPU)."""
+    def memory(self) -> list[MemoryUse]:
+        """Each rank's memory in MiB: host peak resident, and on a GPU allocated, reserved and peak."""
         with self._lock:
             return self.engine.memory()
+
+    def peak_memory_mib(self) -> list[float]:
+        """Each rank's peak where its weights live: GPU peak allocated on CUDA, else host peak resident (MiB)."""
+        return [u.gpu_peak if u.gpu_peak is not None else u.host_peak for u in self.memory()]
 
     def expert_load(self) -> ExpertLoadReport:
         """Which experts and ranks received how many token copies since loading (or the last reset)."""
@@ -229,7 +250,15 @@ class MoEModel:
             counts, entropy, received = self.engine.load_stats()
         placement = self.info.placement or Placement.default(self.config.n_layers, self.config.n_experts, 1)
         tokens = int(counts.sum()) // (self.config.top_k * self.config.n_layers)
-        return ExpertLoadReport(counts, placement, float(entropy), tokens, received)
+        summed, covered = entropy.tolist()  # the entropy's own token count: it is summed only while tracked
+        entropy_sum = summed / covered * tokens * self.config.n_layers if covered else None
+        return ExpertLoadReport(counts, placement, entropy_sum, tokens, received)
+
+    def track_router_entropy(self, enabled: bool = True) -> None:
+        """Sum each router's entropy for `expert_load()` reports (a few kernels per block and step, so off
+        unless asked for; the expert-load commands turn it on)."""
+        with self._lock:
+            self.engine.track_entropy(enabled)
 
     def reset_expert_load(self) -> None:
         with self._lock:

@@ -61,8 +61,8 @@ def score_windows(logits_fn: Callable[[torch.Tensor], torch.Tensor], wins: list[
         for i in range(0, len(group), batch):
             rows = torch.stack(group[i:i + batch]).long()
             logits = logits_fn(rows[:, :-1]).float()
-            nats += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1),
-                                          reduction="sum"))
+            targets = rows[:, 1:].to(logits.device).reshape(-1)
+            nats += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, reduction="sum"))
             count += rows[:, 1:].numel()
             if progress is not None:
                 bpb = nats / math.log(2) / (count * bytes_per_token) if bytes_per_token else None

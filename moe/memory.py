@@ -1,17 +1,15 @@
-"""Peak memory of this process, as the scripts and benchmarks report it."""
+"""Memory of a rank, labelled: host peak resident memory, and on a GPU what PyTorch's allocator holds."""
 
 from __future__ import annotations
 
 import resource
+from dataclasses import dataclass
 
 import torch
 
 
-def peak_memory_mib(device: torch.device | str = "cpu") -> float:
-    """Peak resident memory (CPU), or peak allocated GPU memory on CUDA, in MiB."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
+def host_peak_mib() -> float:
+    """Peak resident memory of this process in MiB."""
     # VmHWM belongs to this address space; ru_maxrss survives exec and would include a spawning parent's peak.
     try:
         with open("/proc/self/status") as f:
@@ -21,3 +19,44 @@ def peak_memory_mib(device: torch.device | str = "cpu") -> float:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def peak_memory_mib(device: torch.device | str = "cpu") -> float:
+    """Peak memory where the weights live: allocated GPU memory on CUDA, else host resident memory (MiB)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return host_peak_mib()
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    """One rank's memory in MiB; the GPU fields are None on a CPU rank."""
+
+    host_peak: float
+    gpu_allocated: float | None = None
+    gpu_reserved: float | None = None
+    gpu_peak: float | None = None
+
+    @classmethod
+    def now(cls, device: torch.device | str) -> MemoryUse:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return cls(host_peak_mib())
+        return cls(host_peak_mib(), torch.cuda.memory_allocated(device) / 2**20,
+                   torch.cuda.memory_reserved(device) / 2**20, torch.cuda.max_memory_allocated(device) / 2**20)
+
+
+def describe(uses: list[MemoryUse]) -> str:
+    """`peak RSS 260 MiB`, `peak RSS per rank 260/254 MiB`, or on GPUs every figure, labelled, per rank."""
+    def per_rank(values: list[float]) -> str:
+        return "/".join(f"{v:.0f}" for v in values)
+
+    host = f"peak RSS {per_rank([u.host_peak for u in uses])} MiB"
+    if len(uses) > 1:
+        host = host.replace("peak RSS", "peak RSS per rank")
+    if uses[0].gpu_peak is None:
+        return host
+    gpu = [(u.gpu_peak, u.gpu_allocated, u.gpu_reserved) for u in uses]
+    return (f"GPU peak {per_rank([g[0] for g in gpu])} MiB, allocated {per_rank([g[1] for g in gpu])} MiB, "
+            f"reserved {per_rank([g[2] for g in gpu])} MiB; host {host}")

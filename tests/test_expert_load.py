@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import stat
 import subprocess
@@ -144,3 +145,17 @@ def test_report_files_get_the_permissions_the_umask_allows(ckpt, tmp_path):
         os.umask(old)
     assert paths and all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in paths)
     assert sorted(p.name for p in (tmp_path / "load").iterdir()) == sorted(p.name for p in paths)  # no leftovers
+
+
+def test_router_entropy_only_when_asked_for(ckpt):
+    with MoEModel.from_pretrained(ckpt) as model:
+        model.generate([[1, 5, 9]], max_new_tokens=3)
+        assert model.expert_load().to_json()["mean_router_entropy"] is None  # nothing computed: costs nothing
+        model.track_router_entropy()
+        model.generate([[1, 5, 9]], max_new_tokens=3)
+        entropy = model.expert_load().to_json()["mean_router_entropy"]
+    assert 0 < entropy <= math.log(tiny_config().n_experts)
+    with MoEModel.from_pretrained(ckpt) as fresh:  # the mean covers the tracked tokens only
+        fresh.track_router_entropy()
+        fresh.generate([[1, 5, 9]], max_new_tokens=3)
+        assert fresh.expert_load().to_json()["mean_router_entropy"] == pytest.approx(entropy, rel=1e-9)

@@ -30,7 +30,7 @@ def one_step(ctx) -> dict:
     model = init_model(CFG, SETTINGS.seed)
     if ctx.distributed:
         shard_experts(model, Placement.default(CFG.n_layers, CFG.n_experts, ctx.world_size), ctx)
-    model.train()
+    model.to(ctx.device).train()
     stream = torch.randint(0, CFG.vocab_size, (500,), generator=torch.Generator().manual_seed(1))
     batch = sample_batch(stream, SETTINGS.batch_size, SETTINGS.seq_len, step=0, seed=SETTINGS.seed)
     ce_sum, balance = forward_backward(model, batch, SETTINGS, ctx)
@@ -41,7 +41,7 @@ def one_step(ctx) -> dict:
         torch.distributed.all_reduce(stats)
     experts = {n: m.expert_ids for n, m in model.named_modules() if hasattr(m, "expert_ids")}
     return {"loss": float(stats[0]) / batch[:, 1:].numel(), "balance": float(stats[1]), "norm": norm,
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}, "experts": experts}
+            "grads": {n: p.grad.cpu() for n, p in model.named_parameters()}, "experts": experts}
 
 
 def _rank_step(rank: int, world_size: int, port: int, out_dir: str) -> None:

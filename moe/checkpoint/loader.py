@@ -90,6 +90,7 @@ class TensorReader:
         self.bytes_read = 0
         self.on_file_done = on_file_done  # (file, files done, files to read), when its last needed tensor is in
         self.on_read = on_read  # bytes of each tensor read
+        self.pinned: torch.Tensor | None = None  # staging buffer for reads that go to a GPU
         self.remaining: dict[Path, int] = {}
 
     def expect(self, names: list[str]) -> None:
@@ -102,13 +103,26 @@ class TensorReader:
     def info(self, name: str) -> TensorInfo:
         return self.tensors[name]
 
-    def empty(self, name: str, leading: tuple[int, ...] = ()) -> torch.Tensor:
+    def empty(self, name: str, leading: tuple[int, ...] = (), device: torch.device | str = "cpu") -> torch.Tensor:
         info = self.tensors[name]
         if info.dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{info.file.name}: tensor {name} has unsupported dtype {info.dtype}")
-        return torch.empty((*leading, *info.shape), dtype=SAFETENSORS_DTYPES[info.dtype])
+        return torch.empty((*leading, *info.shape), dtype=SAFETENSORS_DTYPES[info.dtype], device=device)
+
+    def _staging(self, like: torch.Tensor) -> torch.Tensor:
+        """A pinned host buffer shaped like `like`, reused (grown to the largest tensor): reads for a GPU land
+        here and are copied over, so host memory holds one tensor at a time, not the rank's share."""
+        n = like.numel() * like.element_size()
+        if self.pinned is None or self.pinned.numel() < n:
+            self.pinned = None  # free the smaller one first
+            self.pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        return self.pinned[:n].view(like.dtype).view(like.shape)
 
     def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        if out.device.type != "cpu":
+            host = self._staging(out)
+            self.read_into(name, host)
+            return out.copy_(host)  # from pinned memory; returns once copied, so the buffer is free again
         info = self.tensors[name]
         buf = writable_bytes(out)
         if buf.nbytes != info.nbytes:
@@ -134,8 +148,8 @@ class TensorReader:
                 self.on_file_done(info.file, done, self.n_files)
         return out
 
-    def read(self, name: str) -> torch.Tensor:
-        return self.read_into(name, self.empty(name))
+    def read(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
+        return self.read_into(name, self.empty(name, device=device))
 
 
 def needed_sources(model: nn.Module, fmt: str, cfg) -> dict[str, list[str]]:
@@ -180,7 +194,7 @@ def load_into(model: nn.Module, ckpt: CheckpointFormat, directory: str | Path, f
                 if not names:
                     state[name] = torch.empty(param.shape, dtype=dtype, device=device)
                     continue
-                t = reader.empty(names[0], leading=(len(names),))  # one buffer, each expert read into its row
+                t = reader.empty(names[0], (len(names),), device)  # one buffer, each expert read into its row
                 for row, source in enumerate(names):
                     reader.read_into(source, t[row])
             else:
@@ -188,7 +202,7 @@ def load_into(model: nn.Module, ckpt: CheckpointFormat, directory: str | Path, f
                 if source in by_source:  # tied embeddings: one tensor, two parameters
                     state[name] = by_source[source]
                     continue
-                t = reader.read(source)
+                t = reader.read(source, device)
                 kind = needs_rope_permute(ckpt.fmt, name)
                 if kind is not None:
                     t = to_half_split(t, cfg.n_heads if kind == "wq" else cfg.n_kv_heads)

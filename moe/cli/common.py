@@ -9,7 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from moe.errors import USER_ERRORS, RankFailure
-from moe.parallel.distributed import under_torchrun
+from moe.parallel.devices import DEVICES
+from moe.parallel.distributed import DEFAULT_TIMEOUT_S, under_torchrun
 
 
 def run_command(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
@@ -69,4 +70,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks)")
     ap.add_argument("--placement", default=None,
                     help="placement plan JSON (owner rank of embedding, blocks, head; ranks of every expert)")
+    ap.add_argument("--device", choices=DEVICES, default="auto",
+                    help="auto (default): CUDA when there is a GPU per rank, CPU when there is none; cuda; cpu")
+    ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                    help=f"how long ranks wait for the slowest one, e.g. while loading (default {DEFAULT_TIMEOUT_S:g})")
     ap.add_argument("--quiet", action="store_true", help="no progress bars or load lines")

@@ -45,8 +45,9 @@ def evaluate(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    with MoEModel.from_pretrained(args.ckpt, dtype=args.dtype, gpus=args.gpus, threads=args.threads,
-                                  placement=args.placement, progress=not args.quiet) as model:
+    with MoEModel.from_pretrained(args.ckpt, dtype=args.dtype, device=args.device, gpus=args.gpus,
+                                  threads=args.threads, placement=args.placement, progress=not args.quiet,
+                                  timeout_s=args.timeout) as model:
         if args.seq_len > model.config.max_seq_len:
             raise ValueError(f"--seq-len {args.seq_len} exceeds the model's context ({model.config.max_seq_len})")
         shown = Progress("scoring", unit="window", enabled=not args.quiet and model.rank == 0)

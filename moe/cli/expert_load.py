@@ -35,8 +35,10 @@ def expert_load(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     prompts = read_prompts(args)
-    with MoEModel.from_pretrained(args.ckpt, dtype=args.dtype, gpus=args.gpus, placement=args.placement,
-                                  threads=args.threads, progress=not args.quiet) as model:
+    with MoEModel.from_pretrained(args.ckpt, dtype=args.dtype, device=args.device, gpus=args.gpus,
+                                  placement=args.placement, threads=args.threads, progress=not args.quiet,
+                                  timeout_s=args.timeout) as model:
+        model.track_router_entropy()
         if args.debug_routing:
             model.set_debug_routing(True)
         with Progress("prompts", unit="prompt", enabled=not args.quiet and model.rank == 0) as shown:

@@ -22,7 +22,9 @@ from moe.cli.common import (
     say_from,
 )
 from moe.generation import GenerationResult
-from moe.parallel.distributed import pick_backend, under_torchrun
+from moe.memory import MemoryUse, describe
+from moe.parallel.devices import resolve_device
+from moe.parallel.distributed import under_torchrun
 from moe.parallel.placement import resolve_placement
 from moe.workers.group import cpu_threads_per_rank
 
@@ -31,9 +33,10 @@ EXAMPLES = """examples:
   python scripts/generate.py --ckpt DIR --gpus 4 --temperature 0.7 --top-p 0.9 --seed 1 --prompt "..."
   torchrun --nproc-per-node 2 scripts/generate.py --ckpt DIR --prompt "..."
 
-where it runs: --gpus N starts N ranks on this machine, one GPU each with NCCL when CUDA has N devices,
-otherwise N CPU processes over gloo (cores shared out, --threads per rank). Under torchrun every process
-is one rank of torchrun's group, on one machine or several; --gpus then does not apply.
+where it runs: --gpus N starts N ranks on this machine, one GPU each with NCCL when there are N GPUs, or,
+on a machine without GPUs (or with --device cpu), N CPU processes over gloo (cores shared out, --threads
+per rank). Under torchrun every process is one rank of torchrun's group, on one machine or several; --gpus
+then does not apply.
 """
 
 
@@ -82,17 +85,17 @@ def generate(args: argparse.Namespace) -> int:
         if args.attention == "replicated":
             say("attention replicated: every rank holds the embedding, all blocks' attention and the head, "
                 "and runs its slice of the batch; experts as above")
-        if not torchrun and pick_backend(ranks)[0] == "gloo":
+        if not torchrun and resolve_device(args.device, ranks) == "cpu":
             threads = args.threads or cpu_threads_per_rank(ranks)
-            say(f"no {ranks} CUDA devices: running {ranks} ranks as CPU processes over gloo, {threads} thread(s) each")
+            say(f"running {ranks} ranks as CPU processes over gloo, {threads} thread(s) each")
     if args.threads and (torchrun or ranks == 1):
         import torch
 
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    model = MoEModel.from_pretrained(args.ckpt, dtype=args.dtype, gpus=args.gpus, placement=plan,
+    model = MoEModel.from_pretrained(args.ckpt, dtype=args.dtype, device=args.device, gpus=args.gpus, placement=plan,
                                      master_port=args.master_port, threads=args.threads, progress=not args.quiet,
-                                     attention=args.attention, cpu_kernels=args.cpu_kernels)
+                                     attention=args.attention, cpu_kernels=args.cpu_kernels, timeout_s=args.timeout)
     load_s = time.perf_counter() - t0
     with model:
         run_and_print(model, args, prompts, load_s, say_from(model.rank))
@@ -106,6 +109,8 @@ def run_and_print(model: MoEModel, args: argparse.Namespace, prompts: list[str],
         f"{cfg.n_experts} experts top-{cfg.top_k}, dim {cfg.dim}; ranks: {model.info.ranks}")
     say(f"settings: max_new_tokens={args.max_new_tokens} temperature={args.temperature} top_p={args.top_p} "
         f"top_k={args.top_k} seed={seed} dtype={model.info.dtype} prompts={len(prompts)}")
+    if args.expert_load:
+        model.track_router_entropy()
     single = len(prompts) == 1
     if single:
         say(prompts[0], end="", flush=True)
@@ -116,7 +121,7 @@ def run_and_print(model: MoEModel, args: argparse.Namespace, prompts: list[str],
     if not single:
         for i, (p, o) in enumerate(zip(prompts, outputs, strict=True)):
             say(f"[{i}] {p}{o}")
-    say(summary(load_s, model.last_result, len(prompts), model.peak_memory_mib()))
+    say(summary(load_s, model.last_result, len(prompts), model.memory()))
     if args.expert_load:
         report = model.expert_load()  # every rank takes part in gathering the counters
         if model.rank == 0:
@@ -125,13 +130,11 @@ def run_and_print(model: MoEModel, args: argparse.Namespace, prompts: list[str],
             report_out(report, args.expert_load)
 
 
-def summary(load_s: float, r: GenerationResult, n_prompts: int, peak_mib: list[float]) -> str:
+def summary(load_s: float, r: GenerationResult, n_prompts: int, memory: list[MemoryUse]) -> str:
     decode_tokens = max(r.new_tokens - n_prompts, 0)
-    peak = "/".join(f"{m:.0f}" for m in peak_mib)
-    label = "peak RSS" if len(peak_mib) == 1 else "peak RSS per rank"
     return (f"load {load_s:.2f} s | prompt {r.prompt_tokens} tok at {r.prompt_tokens / r.prefill_seconds:.1f} tok/s"
             f" | generated {r.new_tokens} tok at {decode_tokens / max(r.decode_seconds, 1e-9):.1f} tok/s"
-            f" | {label} {peak} MiB")
+            f" | {describe(memory)}")
 
 
 if __name__ == "__main__":

@@ -158,6 +158,7 @@ def measure(args: argparse.Namespace) -> dict:
     with MoEModel.from_pretrained(args.ckpt) as local:
         score = score_text(local, valid, local.tokenizer, 256)
     with MoEModel.from_pretrained(args.ckpt, gpus=args.gpus) as model:
+        model.track_router_entropy()
         wins = [w for w in windows(token_stream(valid, model.tokenizer), 256) if w.numel() == 257]
         step = max(1, len(wins) // args.load_windows)
         for w in wins[::step][:args.load_windows]:

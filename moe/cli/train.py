@@ -9,6 +9,7 @@ from pathlib import Path
 from models.config import ConfigError
 from moe.checkpoint.files import CheckpointError
 from moe.cli.common import run_command
+from moe.parallel.devices import DEVICES
 from moe.tokenizer import Tokenizer
 from moe.training.steps import TrainSettings
 from moe.training.trainer import TrainJob, run_training
@@ -32,6 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
     ap.add_argument("--minutes", type=float, default=20.0, help="time budget; sets the schedule's length")
     ap.add_argument("--steps", type=int, help="fixed number of steps instead of --minutes")
+    ap.add_argument("--device", choices=DEVICES, default="auto",
+                    help="auto (default): CUDA when there is a GPU per rank, CPU when there is none; cuda; cpu")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     model = ap.add_argument_group("model")
     model.add_argument("--dim", type=int, default=128)
@@ -69,7 +72,7 @@ def job_from_args(args: argparse.Namespace) -> TrainJob:
     vocab = Tokenizer(args.corpus / "tokenizer.model").vocab_size
     return TrainJob(
         corpus=str(args.corpus), out=str(args.out), threads=args.threads, minutes=args.minutes, steps=args.steps,
-        eval_every=args.eval_every, progress=not args.quiet,
+        eval_every=args.eval_every, progress=not args.quiet, device=args.device,
         model=dict(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
                    head_dim=args.dim // args.heads, hidden_dim=args.hidden_dim, vocab_size=vocab,
                    n_experts=args.experts, top_k=args.top_k, max_seq_len=4 * args.seq_len, rope_theta=10000.0),

@@ -14,10 +14,11 @@ from typing import Protocol
 import torch
 
 from moe.generation import GenerationResult, SamplingParams
+from moe.memory import MemoryUse
 
 # The calls a rank process serves; RemoteEngine forwards exactly these.
-ENGINE_CALLS = ("generate", "logits", "load_stats", "reset_load_stats", "set_round_robin", "save", "memory",
-                "random_seed")
+ENGINE_CALLS = ("generate", "logits", "load_stats", "reset_load_stats", "set_round_robin", "track_entropy", "save",
+                "memory", "random_seed")
 
 
 class Engine(Protocol):
@@ -28,18 +29,20 @@ class Engine(Protocol):
         """[B, S, V] logits (no cache, positions from 0)."""
 
     def load_stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(routing counts [blocks, 2, experts], router entropy sum, rows computed per [block, rank])."""
+        """(routing counts [blocks, 2, experts], [router entropy sum, token-blocks it covers], rows computed per
+        [block, rank])."""
 
     def reset_load_stats(self) -> None: ...
     def set_round_robin(self, enabled: bool) -> None: ...
+    def track_entropy(self, enabled: bool) -> None: ...
 
     def save(self, out: str, max_shard_bytes: int | None, tokenizer: str | None,
              progress: bool = False) -> list[dict]:
         """Write a Hugging Face directory; per rank, the files it wrote and their bytes. `progress`: rank 0
         shows the bytes it has written."""
 
-    def memory(self) -> list[float]:
-        """Per rank, peak memory in MiB (resident on CPU, allocated on a GPU)."""
+    def memory(self) -> list[MemoryUse]:
+        """Per rank: host peak, and on a GPU allocated, reserved and peak (MiB)."""
 
     def random_seed(self) -> int:
         """A fresh seed, the same on every rank (drawn once, shared)."""

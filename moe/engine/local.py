@@ -11,10 +11,10 @@ from models.attention import KVCache, Padding
 from models.transformer import Transformer
 from moe.checkpoint.distributed_save import save_distributed
 from moe.generation import GenerationResult, SamplingParams, generate_tokens
-from moe.memory import peak_memory_mib
+from moe.memory import MemoryUse
 from moe.parallel.distributed import single_process
 from moe.progress import Progress
-from moe.reports.counters import local_load_stats, reset_load_stats, set_round_robin
+from moe.reports.counters import local_load_stats, reset_load_stats, set_round_robin, track_entropy
 
 
 class LocalEngine:
@@ -58,13 +58,16 @@ class LocalEngine:
     def set_round_robin(self, enabled: bool) -> None:
         set_round_robin(self.model, enabled)
 
+    def track_entropy(self, enabled: bool) -> None:
+        track_entropy(self.model, enabled)
+
     def save(self, out: str, max_shard_bytes: int | None, tokenizer: str | None,
              progress: bool = False) -> list[dict]:
         return [save_distributed(self.model, self.model.cfg, out, single_process(), max_shard_bytes, tokenizer,
                                  Progress("saving", unit="B", enabled=progress))]
 
-    def memory(self) -> list[float]:
-        return [peak_memory_mib(self.device)]
+    def memory(self) -> list[MemoryUse]:
+        return [MemoryUse.now(self.device)]
 
     def random_seed(self) -> int:
         return random.randrange(2**31)

@@ -9,6 +9,7 @@ import torch
 
 from moe.engine.base import ENGINE_CALLS
 from moe.generation import GenerationResult, SamplingParams
+from moe.memory import MemoryUse
 from moe.workers.group import WorkerGroup
 
 
@@ -41,11 +42,14 @@ class RemoteEngine:
     def set_round_robin(self, enabled: bool) -> None:
         self._call("set_round_robin", enabled)
 
+    def track_entropy(self, enabled: bool) -> None:
+        self._call("track_entropy", enabled)
+
     def save(self, out: str, max_shard_bytes: int | None, tokenizer: str | None,
              progress: bool = False) -> list[dict]:
         return self._call("save", out, max_shard_bytes, tokenizer, progress)
 
-    def memory(self) -> list[float]:
+    def memory(self) -> list[MemoryUse]:
         return self._call("memory")
 
     def random_seed(self) -> int:

@@ -17,11 +17,11 @@ from models.attention import AttentionContext, KVCache, Padding
 from models.transformer import Transformer, real_token_rows
 from moe.checkpoint.distributed_save import save_distributed
 from moe.generation import GenerationResult, SamplingParams, generate_tokens
-from moe.memory import peak_memory_mib
+from moe.memory import MemoryUse
 from moe.parallel.distributed import DistContext
 from moe.parallel.placement import Placement
 from moe.progress import Progress
-from moe.reports.counters import local_load_stats, reset_load_stats, set_round_robin
+from moe.reports.counters import local_load_stats, reset_load_stats, set_round_robin, track_entropy
 
 
 class ShardedEngine:
@@ -118,11 +118,11 @@ class ShardedEngine:
         received = torch.zeros(len(self.model.layers), self.dist.world_size, dtype=torch.float64)
         for i, block in enumerate(self.model.layers.values()):
             received[i, self.rank] = block.feed_forward.dispatcher.received_rows
-        packed = torch.cat([counts.double().reshape(-1), received.reshape(-1), entropy.reshape(1)])
+        packed = torch.cat([counts.double().reshape(-1), received.reshape(-1), entropy])
         packed = self.dist.all_reduce(packed.to(self.dist.device)).cpu()
         n = counts.numel()
-        return (packed[:n].round().long().view(counts.shape), packed[-1],
-                packed[n:-1].round().long().view(received.shape))
+        return (packed[:n].round().long().view(counts.shape), packed[-2:],
+                packed[n:-2].round().long().view(received.shape))
 
     def reset_load_stats(self) -> None:
         reset_load_stats(self.model)
@@ -132,14 +132,17 @@ class ShardedEngine:
     def set_round_robin(self, enabled: bool) -> None:
         set_round_robin(self.model, enabled)
 
+    def track_entropy(self, enabled: bool) -> None:
+        track_entropy(self.model, enabled)
+
     def save(self, out: str, max_shard_bytes: int | None, tokenizer: str | None,
              progress: bool = False) -> list[dict]:
         shown = Progress("saving", unit="B", enabled=progress and self.rank == 0)
         mine = save_distributed(self.model, self.model.cfg, out, self.dist, max_shard_bytes, tokenizer, shown)
         return self.dist.all_gather_object(mine)
 
-    def memory(self) -> list[float]:
-        return self.dist.all_gather_object(peak_memory_mib(self.dist.device))
+    def memory(self) -> list[MemoryUse]:
+        return self.dist.all_gather_object(MemoryUse.now(self.dist.device))
 
     def random_seed(self) -> int:
         return int(self.dist.broadcast_object(random.randrange(2**31), 0))

@@ -14,7 +14,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)  # backstop; launchers stop a failed group sooner
+from moe.parallel.devices import agree_on_device, backend_for, resolve_device, torchrun_layout
+
+# How long a collective may wait for the slowest rank: loading or saving tens of GB from cold storage takes
+# minutes. A rank that dies is found sooner: by the launcher (its pipe closes) or by torchrun's agent.
+DEFAULT_TIMEOUT_S = 1800.0
 
 
 @dataclass(frozen=True)
@@ -94,23 +98,22 @@ def single_process(device: str | torch.device = "cpu") -> DistContext:
     return DistContext(0, 1, torch.device(device), "none")
 
 
-def pick_backend(world_size: int) -> tuple[str, bool]:
-    """(backend, uses_cuda): NCCL only when every rank can have a GPU of its own."""
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-        return "nccl", True
-    return "gloo", False
+def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int, kind: str = "cpu",
+                       local_rank: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext:
+    """Join a group whose ranks were started here (all on this machine, the device kind chosen by the parent)."""
+    device = _bind(kind, local_rank if local_rank is not None else rank)
+    dist.init_process_group(backend_for(kind), init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=device if kind == "cuda" else None)
+    return DistContext(rank, world_size, device, backend_for(kind))
 
 
-def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int,
-                       local_rank: int | None = None) -> DistContext:
-    backend, cuda = pick_backend(world_size)
-    device = torch.device("cuda", local_rank if local_rank is not None else rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world_size, timeout=COLLECTIVE_TIMEOUT,
-                            device_id=device if cuda else None)
-    return DistContext(rank, world_size, device, backend)
+def _bind(kind: str, local_rank: int) -> torch.device:
+    if kind != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
 
 
 def under_torchrun() -> bool:
@@ -118,19 +121,23 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def from_torchrun() -> DistContext | None:
-    """Join the group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), if any; reuse the
-    group when this process has joined it already (a second model in the same job)."""
+def from_torchrun(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext | None:
+    """Join the group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT), if
+    any; reuse the group when this process has joined it already (a second model in the same job)."""
     if not under_torchrun():
         return None
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    rank, world_size, local_rank, local_world = torchrun_layout(os.environ)
     if dist.is_initialized():
         backend = dist.get_backend()
-        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
-        return DistContext(rank, world_size, device, backend)
-    return init_process_group(rank, world_size, os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                              int(os.environ.get("MASTER_PORT", "29500")), local_rank)
+        return DistContext(rank, world_size, _bind("cuda" if backend == "nccl" else "cpu", local_rank), backend)
+    kind = resolve_device(device, local_world)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    agree_on_device(store, rank, world_size, kind)
+    bound = _bind(kind, local_rank)
+    dist.init_process_group(backend_for(kind), store=store, rank=rank, world_size=world_size, timeout=timeout,
+                            device_id=bound if kind == "cuda" else None)
+    return DistContext(rank, world_size, bound, backend_for(kind))
 
 
 def free_port(host: str = "127.0.0.1") -> int:

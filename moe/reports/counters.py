@@ -7,10 +7,13 @@ from torch import nn
 
 
 def local_load_stats(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """([blocks, 2, experts] copies routed by the blocks held here, router entropy sum) on the CPU."""
+    """([blocks, 2, experts] copies routed by the blocks held here, [router entropy sum, tokens it covers])
+    on the CPU. Entropy is summed only while tracked (`track_entropy`), so it has its own token count."""
     counts = torch.stack([b.feed_forward.load_counts.cpu() for b in model.layers.values()])
-    entropy = sum((b.feed_forward.gate.entropy_sum.cpu() for b in model.layers.values()
-                   if b.feed_forward.gate is not None), torch.zeros((), dtype=torch.float64))
+    gates = [b.feed_forward.gate for b in model.layers.values() if b.feed_forward.gate is not None]
+    entropy = torch.zeros(2, dtype=torch.float64)
+    for g in gates:
+        entropy += torch.stack([g.entropy_sum, g.entropy_tokens]).cpu()
     return counts, entropy
 
 
@@ -19,6 +22,13 @@ def reset_load_stats(model: nn.Module) -> None:
         block.feed_forward.load_counts.zero_()
         if block.feed_forward.gate is not None:
             block.feed_forward.gate.entropy_sum.zero_()
+            block.feed_forward.gate.entropy_tokens.zero_()
+
+
+def track_entropy(model: nn.Module, enabled: bool) -> None:
+    for block in model.layers.values():
+        if block.feed_forward.gate is not None:
+            block.feed_forward.gate.track_entropy = enabled
 
 
 def set_round_robin(model: nn.Module, enabled: bool) -> None:

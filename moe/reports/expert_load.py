@@ -44,7 +44,7 @@ def rank_loads(counts_LE: torch.Tensor, placement: Placement) -> torch.Tensor:
 class ExpertLoadReport:
     counts: torch.Tensor  # [blocks, 2, experts] int64: prefill, decode
     placement: Placement
-    entropy_sum: float  # sum over blocks and routed tokens of the router's entropy (nats)
+    entropy_sum: float | None  # sum over blocks and routed tokens of the router's entropy (nats); None: untracked
     routed_tokens: int  # tokens routed per block
     received: torch.Tensor | None = None  # [blocks, ranks] copies each rank's experts computed (measured)
 
@@ -73,8 +73,8 @@ class ExpertLoadReport:
             "imbalance": {"experts": imbalance(total.reshape(-1)), "ranks": imbalance(ranks.sum(0)),
                           "per_block": blocks},
             "unused_experts": sum(len(b["unused_experts"]) for b in blocks),
-            "mean_router_entropy": self.entropy_sum / (self.routed_tokens * total.shape[0])
-            if self.routed_tokens else 0.0,
+            "mean_router_entropy": None if self.entropy_sum is None else
+            self.entropy_sum / (self.routed_tokens * total.shape[0]) if self.routed_tokens else 0.0,
             "routed_tokens": self.routed_tokens,
         }
 

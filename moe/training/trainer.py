@@ -18,6 +18,7 @@ import torch
 from models.config import ModelConfig
 from moe.checkpoint.distributed_save import save_distributed
 from moe.evaluation import Score, score_windows, token_stream, windows
+from moe.parallel.devices import resolve_device
 from moe.parallel.distributed import DistContext, single_process
 from moe.parallel.placement import Placement
 from moe.progress import Progress
@@ -47,6 +48,7 @@ class TrainJob:
     log_every: int = 20
     threads: int = 1
     progress: bool = False  # a bar on rank 0 (steps, loss, tokens/s, ETA) when standard error is a terminal
+    device: str = "auto"  # see moe.parallel.devices
 
 
 def say(ctx: DistContext, *args, **kwargs) -> None:
@@ -67,7 +69,7 @@ def validate(model, wins: list[torch.Tensor], ctx: DistContext, n_bytes_per_toke
         j = i * ctx.world_size + ctx.rank
         # Every rank runs the same number of forward passes (each one exchanges expert rows): a rank out
         # of windows scores the first one again and drops the result.
-        n, t = score_windows(model, [wins[j if j < len(wins) else 0]], batch=1)
+        n, t = score_windows(lambda t: model(t.to(ctx.device)), [wins[j if j < len(wins) else 0]], batch=1)
         if j < len(wins):
             nats, tokens = nats + n, tokens + t
     total = torch.tensor([nats, tokens], dtype=torch.float64, device=ctx.device)
@@ -164,10 +166,10 @@ def train(job: TrainJob, ctx: DistContext) -> dict:
     return summary
 
 
-def train_rank(rank: int, world_size: int, port: int, job: TrainJob) -> None:
+def train_rank(rank: int, world_size: int, port: int, job: TrainJob, kind: str) -> None:
     from moe.parallel.distributed import init_process_group
 
-    ctx = init_process_group(rank, world_size, "127.0.0.1", port)
+    ctx = init_process_group(rank, world_size, "127.0.0.1", port, kind)
     try:
         train(job, ctx)
     finally:
@@ -175,9 +177,11 @@ def train_rank(rank: int, world_size: int, port: int, job: TrainJob) -> None:
 
 
 def run_training(job: TrainJob, world_size: int) -> None:
+    """Train on `world_size` ranks: this process for one, else rank processes (one GPU each with CUDA)."""
+    kind = resolve_device(job.device, world_size)
     if world_size == 1:
-        train(job, single_process())
+        train(job, single_process(kind))
         return
     from moe.workers.group import run_ranks
 
-    run_ranks(train_rank, world_size, job)
+    run_ranks(train_rank, world_size, job, kind)

@@ -20,7 +20,7 @@ from moe.engine.replicated import ReplicatedAttentionEngine
 from moe.engine.sharded import ShardedEngine
 from moe.errors import USER_ERRORS
 from moe.memory import peak_memory_mib
-from moe.parallel.distributed import DistContext, init_process_group
+from moe.parallel.distributed import DEFAULT_TIMEOUT_S, DistContext, init_process_group
 from moe.parallel.placement import Placement
 from moe.parallel.sharding import apply_expert_placement, apply_placement, use_all_to_all
 from moe.progress import Progress
@@ -36,6 +36,8 @@ class ShardSpec:
     progress: bool = False  # rank 0 shows checkpoint reading progress
     attention: str = "owner"  # "owner": layer placement; "replicated": every rank attends for its batch slice
     cpu_kernels: str = "onednn"  # see MoEModel.from_pretrained
+    device: str = "cpu"  # "cuda" (NCCL, GPU `rank` of this machine) or "cpu" (gloo); chosen by the parent
+    timeout_s: float = DEFAULT_TIMEOUT_S  # how long a collective waits for the slowest rank
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_MODES:
@@ -69,7 +71,7 @@ def cpu_share(rank: int, world_size: int) -> set[int]:
 def worker_main(conn, rank: int, world_size: int, port: int, threads: int, spec: ShardSpec) -> None:
     torch.set_num_threads(threads)
     try:
-        dist = init_process_group(rank, world_size, "127.0.0.1", port)
+        dist = init_process_group(rank, world_size, "127.0.0.1", port, spec.device, timeout_s=spec.timeout_s)
         share = cpu_share(rank, world_size)
         if dist.device.type == "cpu" and world_size > 1 and threads <= len(share):
             os.sched_setaffinity(0, share)  # not when asked for more threads than cores: they would spin-wait
