@@ -80,3 +80,16 @@ def test_memory_is_labelled_per_rank():
     gpus = [MemoryUse(900, 100, 128, 150), MemoryUse(880, 90, 128, 140)]
     assert describe(gpus) == ("GPU peak 150/140 MiB, allocated 100/90 MiB, reserved 128/128 MiB; "
                               "host peak RSS per rank 900/880 MiB")
+
+
+@pytest.mark.parametrize("call", ["broadcast", "all_reduce", "send"])
+def test_a_cpu_tensor_never_reaches_nccl(call):
+    """The guard fires before torch.distributed is touched, so it is checked here without GPUs."""
+    import torch
+
+    from moe.parallel.distributed import DistContext
+
+    ctx = DistContext(1, 2, torch.device("cuda", 1), "nccl")
+    args = {"broadcast": (torch.zeros(3), 0), "all_reduce": (torch.zeros(3),), "send": (torch.zeros(3), 0)}[call]
+    with pytest.raises(RuntimeError, match=r"rank 1: a cpu tensor \[3\] was handed to an NCCL collective"):
+        getattr(ctx, call)(*args)

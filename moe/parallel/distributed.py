@@ -32,8 +32,18 @@ class DistContext:
     def distributed(self) -> bool:
         return self.backend != "none"
 
+    def _on_device(self, *tensors: torch.Tensor) -> None:
+        """NCCL moves GPU memory only: a CPU tensor here is a bug of ours, named at once instead of a crash or a
+        hang inside NCCL."""
+        if self.backend == "nccl":
+            for t in tensors:
+                if t.device.type != "cuda":
+                    raise RuntimeError(f"rank {self.rank}: a {t.device.type} tensor {list(t.shape)} was handed to an "
+                                       "NCCL collective")
+
     # Point-to-point moves of hidden states between block owners.
     def send(self, t: torch.Tensor, dst: int) -> None:
+        self._on_device(t)
         dist.send(t.contiguous(), dst)
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
@@ -45,12 +55,14 @@ class DistContext:
     # the trainer run unchanged in one process.
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         if self.distributed:
+            self._on_device(t)
             dist.broadcast(t, src)
         return t
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place."""
         if self.distributed:
+            self._on_device(t)
             dist.all_reduce(t)
         return t
 
@@ -58,6 +70,7 @@ class DistContext:
                    in_splits: list[int] | None = None) -> torch.Tensor:
         """Rows of x go to the ranks in order (in_splits rows each); out receives out_splits rows from each."""
         if self.distributed:
+            self._on_device(out, x)
             dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits)
         else:
             out.copy_(x)
@@ -67,6 +80,7 @@ class DistContext:
         """Every rank's equally shaped `t`, in rank order, on `dst`; None elsewhere."""
         if not self.distributed:
             return [t]
+        self._on_device(t)
         parts = [torch.empty_like(t) for _ in range(self.world_size)] if self.rank == dst else None
         dist.gather(t, parts, dst=dst)
         return parts
