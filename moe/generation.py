@@ -7,6 +7,7 @@ rank, so every rank takes the same control-flow decisions (continue, stop at EOS
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,15 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        """Checked where the call is made, before any rank sees it: a bad argument never reaches a rank."""
+        for name in ("max_new_tokens", "top_k", "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -43,8 +53,9 @@ class Stepper(Protocol):
 
     def forward_last(self, tokens_BS: torch.Tensor, start: int) -> torch.Tensor | None: ...
 
-    def share(self, tokens_B: torch.Tensor) -> torch.Tensor:
-        """The head's rank's tokens on every rank, on the engine's device."""
+    def share(self, tokens_B: torch.Tensor, stop: bool) -> torch.Tensor:
+        """[B + 1]: the head's rank's tokens and its stop decision (1 = cancel), on every rank, on the
+        engine's device."""
 
     @property
     def device(self) -> torch.device: ...
@@ -97,6 +108,7 @@ class GenerationResult:
     prompt_tokens: int
     prefill_seconds: float
     decode_seconds: float
+    cancelled: bool = False  # stopped on request (every rank stopped at the same step)
 
     @property
     def new_tokens(self) -> int:
@@ -104,8 +116,11 @@ class GenerationResult:
 
 
 def generate_tokens(engine: Stepper, prompts: list[list[int]], params: SamplingParams, eos_id: int | None,
-                    context: int, on_token: Callable[[int, int], None] | None = None) -> GenerationResult:
-    """Generate for a batch; `on_token(prompt_index, token)` sees each new token as it comes."""
+                    context: int, on_token: Callable[[int, int], None] | None = None,
+                    should_stop: Callable[[], bool] | None = None) -> GenerationResult:
+    """Generate for a batch; `on_token(prompt_index, token)` sees each new token as it comes. `should_stop`
+    (asked on every rank, decided by the head's rank and shared with its tokens) cancels the request between
+    two steps on every rank at once."""
     t0 = time.perf_counter()
     tokens, pad = left_pad(prompts)
     B, P = tokens.shape
@@ -113,7 +128,7 @@ def generate_tokens(engine: Stepper, prompts: list[list[int]], params: SamplingP
     engine.start(B, P + steps, pad)
     generator = None  # made on the logits' device (a CPU generator cannot drive sampling on a GPU)
     out: list[list[int]] = [[] for _ in range(B)]
-    done = [False] * B
+    done, cancelled = [False] * B, False
     logits = engine.forward_last(tokens, 0)
     t_prefill = None
     for step in range(steps):
@@ -121,8 +136,12 @@ def generate_tokens(engine: Stepper, prompts: list[list[int]], params: SamplingP
             generator = torch.Generator(device=logits.device).manual_seed(params.seed)
         nxt = sample(logits, params, generator) if logits is not None else torch.zeros(B, dtype=torch.long,
                                                                                          device=engine.device)
-        nxt = engine.share(nxt)  # stays on the device: the next step's input
-        host = nxt.tolist()  # the step's one read of the tokens: control flow (EOS, streaming) runs on the host
+        shared = engine.share(nxt, should_stop is not None and should_stop())  # [B tokens, stop], on the device
+        *host, stop = shared.tolist()  # the step's one read: control flow (EOS, streaming, stop) runs on the host
+        nxt = shared[:-1]  # stays on the device: the next step's input
+        if stop:
+            cancelled = True
+            break
         if t_prefill is None:
             t_prefill = time.perf_counter()  # first token known everywhere: prefill done
         for b, t in enumerate(host):
@@ -138,4 +157,5 @@ def generate_tokens(engine: Stepper, prompts: list[list[int]], params: SamplingP
             break
         logits = engine.forward_last(nxt[:, None], P + step)
     t_end = time.perf_counter()
-    return GenerationResult(out, sum(len(p) for p in prompts), t_prefill - t0, t_end - t_prefill)
+    t_prefill = t_prefill or t_end
+    return GenerationResult(out, sum(len(p) for p in prompts), t_prefill - t0, t_end - t_prefill, cancelled)

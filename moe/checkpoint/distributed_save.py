@@ -111,6 +111,8 @@ def shared_partial_dir(out_dir: Path, ctx: DistContext) -> Path:
             made = str(make_partial_dir(out_dir))
         except CheckpointError as e:
             made = e
+        except OSError as e:
+            made = CheckpointError(f"{out_dir}: cannot create the output directory ({e.strerror or e})")
     made = ctx.broadcast_object(made, src=0)
     if isinstance(made, Exception):
         raise made
@@ -134,19 +136,30 @@ def save_distributed(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Pa
             progress.start(sum(sizes.values()))
         counts = ctx.all_gather_object(len(shards))
         total_files, first = sum(counts), sum(counts[:ctx.rank])
-        weight_map, files = {}, []
-        for i, names in enumerate(shards):
-            fname = shard_file_name(first + i + 1, total_files)
-            write_file(dense_external(model, cfg, names, plan.source, plan.expert_ids), tmp / fname, progress,
-                       metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(names, fname))
-            files.append(fname)
-        maps = ctx.all_gather_object((weight_map, sum(sizes.values()), plan.dtype))
-        ctx.barrier()  # every rank's files are complete before the index names them
+        weight_map, files, failure = {}, [], None
+        try:
+            for i, names in enumerate(shards):
+                fname = shard_file_name(first + i + 1, total_files)
+                write_file(dense_external(model, cfg, names, plan.source, plan.expert_ids), tmp / fname, progress,
+                           metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(names, fname))
+                files.append(fname)
+        except OSError as e:  # told to every rank below, so all of them stop at the same point
+            failure = f"rank {ctx.rank}: cannot write {tmp / fname} ({e.strerror or e})"
+        # Gathering is also the barrier: every rank's files are complete before the index names them.
+        maps = ctx.all_gather_object((weight_map, sum(sizes.values()), plan.dtype, failure))
+        failures = [f for *_, f in maps if f]
+        if failures:
+            raise CheckpointError(failures[0])
         if ctx.rank == 0:
-            write_index(tmp, {k: v for m, _, _ in maps for k, v in m.items()}, sum(b for _, b, _ in maps))
-            finish_checkpoint(tmp, out_dir, cfg, next(d for _, _, d in maps if d is not None), tokenizer)
-        ctx.barrier()
+            try:
+                write_index(tmp, {k: v for m, *_ in maps for k, v in m.items()}, sum(m[1] for m in maps))
+                finish_checkpoint(tmp, out_dir, cfg, next(m[2] for m in maps if m[2] is not None), tokenizer)
+            except OSError as e:
+                failure = f"{out_dir}: cannot finish the checkpoint ({e.strerror or e})"
+        failure = ctx.broadcast_object(failure, 0)
+        if failure:
+            raise CheckpointError(failure)
     except BaseException:
         if ctx.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -22,6 +22,11 @@ class CheckpointError(ValueError):
     """A checkpoint cannot be read; the message names the file or tensor and the cause."""
 
 
+# Bytes per element of each safetensors dtype code (the library's own list).
+ITEM_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+              "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     file: Path
@@ -47,24 +52,74 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise CheckpointError(f"{path}: corrupt safetensors header") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
     header.pop("__metadata__", None)
-    infos, data_end = {}, 0
-    for name, entry in header.items():
-        begin, end = entry["data_offsets"]
-        infos[name] = TensorInfo(path, entry["dtype"], tuple(entry["shape"]), 8 + header_len + begin, end - begin)
-        data_end = max(data_end, end)
-    if 8 + header_len + data_end > size:
-        raise CheckpointError(f"{path}: file is truncated ({size} bytes, its header needs {8 + header_len + data_end})")
+    infos = {name: tensor_info(path, name, entry, 8 + header_len) for name, entry in header.items()}
+    check_layout(path, infos, 8 + header_len, size)
     return infos
 
 
-def inside(directory: Path, name: str) -> Path:
-    """Resolve a file name taken from an index, refusing anything that leaves the checkpoint directory."""
+def tensor_info(path: Path, name: str, entry: object, data_start: int) -> TensorInfo:
+    """One header entry, checked as the safetensors library checks it: a known dtype, a shape of
+    non-negative integers, offsets 0 <= begin <= end whose span is exactly dtype size x elements."""
+    try:
+        dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+        ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (*shape, begin, end))
+    except (TypeError, KeyError, ValueError):
+        ok = False
+    if not ok:
+        raise CheckpointError(f"{path}: tensor {name}: malformed header entry {json.dumps(entry)[:120]}")
+    if dtype not in ITEM_SIZES:
+        raise CheckpointError(f"{path}: tensor {name} has unknown dtype {dtype!r}")
+    need = ITEM_SIZES[dtype]
+    for d in shape:
+        need *= d
+    if end < begin or end - begin != need:
+        raise CheckpointError(f"{path}: tensor {name}: data_offsets [{begin}, {end}] hold {end - begin} bytes, "
+                              f"its dtype {dtype} and shape {list(shape)} need {need}")
+    return TensorInfo(path, dtype, tuple(shape), data_start + begin, end - begin)
+
+
+def check_layout(path: Path, infos: dict[str, TensorInfo], data_start: int, size: int) -> None:
+    """Tensors tile the data section in order from its start, without gaps or overlaps, to the end of the file
+    (what the safetensors library requires too)."""
+    position = data_start
+    for name, info in sorted(infos.items(), key=lambda item: (item[1].offset, item[1].nbytes)):
+        if info.offset != position:
+            what = "overlaps the tensor before it" if info.offset < position else "leaves a gap before it"
+            raise CheckpointError(f"{path}: tensor {name}: data_offsets {what} (corrupt header)")
+        position = info.offset + info.nbytes
+    if position > size:
+        raise CheckpointError(f"{path}: file is truncated ({size} bytes, its header needs {position})")
+    if position < size:
+        raise CheckpointError(f"{path}: {size - position} bytes after the last tensor (corrupt header)")
+
+
+def hub_repository(directory: Path) -> Path | None:
+    """The Hugging Face hub cache repository folder (`models--org--name`, holding `snapshots/` and `blobs/`)
+    when `directory` is one of its snapshots, else None."""
+    resolved = directory.resolve()
+    if resolved.parent.name == "snapshots" and (resolved.parent.parent / "blobs").is_dir():
+        return resolved.parent.parent
+    return None
+
+
+def inside(directory: Path, name: str, listed_in: str = HF_INDEX) -> Path:
+    """Resolve a weight file's name, refusing anything that leaves the checkpoint directory. A symlink is
+    followed only to a regular file of the same hub cache repository (`snapshots/<rev>/f -> ../../blobs/<hash>`,
+    the way huggingface_hub lays out a download)."""
     root = directory.resolve()
+    if os.path.isabs(name) or ".." in Path(name).parts:
+        raise CheckpointError(f"{directory / listed_in}: entry {name!r} points outside the checkpoint directory")
     target = (root / name).resolve()
-    if os.path.isabs(name) or not target.is_relative_to(root):
-        raise CheckpointError(f"{directory / HF_INDEX}: entry {name!r} points outside the checkpoint directory")
-    return target
+    if target.is_relative_to(root):
+        return target
+    repo = hub_repository(directory)
+    if repo is not None and target.is_relative_to(repo) and (target.is_file() or not target.exists()):
+        return target
+    raise CheckpointError(f"{directory / listed_in}: entry {name!r} points outside the checkpoint directory"
+                          + (f" (to {target}, outside its hub cache repository {repo})" if repo else ""))
 
 
 def refuse_pickles(directory: Path) -> None:
@@ -85,7 +140,7 @@ def index_tensors(directory: Path, weight_files: list[str]) -> dict[str, TensorI
             raise CheckpointError(f"{index_path}: not a valid index (no 'weight_map' object)") from None
         files = {name: inside(directory, name) for name in sorted(set(weight_map.values()))}
     else:
-        files = {name: directory / name for name in weight_files if (directory / name).exists()}
+        files = {name: inside(directory, name, name) for name in weight_files if (directory / name).exists()}
         if not files:
             refuse_pickles(directory)
     headers: dict[Path, dict[str, TensorInfo]] = {}

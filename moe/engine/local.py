@@ -36,13 +36,14 @@ class LocalEngine:
     def forward_last(self, tokens_BS: torch.Tensor, start: int) -> torch.Tensor:
         return self.model(tokens_BS.to(self.device), start, self.caches, self.padding, last_only=True)[:, -1]
 
-    def share(self, tokens_B: torch.Tensor) -> torch.Tensor:
-        return tokens_B
+    def share(self, tokens_B: torch.Tensor, stop: bool) -> torch.Tensor:
+        return torch.cat([tokens_B, torch.full((1,), int(stop), dtype=tokens_B.dtype, device=tokens_B.device)])
 
     # -- the Engine interface ----------------------------------------------------------------------
     def generate(self, ids: list[list[int]], params: SamplingParams, eos: int | None, context: int,
-                 on_token: Callable[[int, int], None] | None = None) -> GenerationResult:
-        return generate_tokens(self, ids, params, eos, context, on_token)
+                 on_token: Callable[[int, int], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> GenerationResult:
+        return generate_tokens(self, ids, params, eos, context, on_token, should_stop)
 
     @torch.inference_mode()
     def logits(self, tokens_BS: torch.Tensor) -> torch.Tensor:

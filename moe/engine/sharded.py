@@ -53,9 +53,12 @@ class ShardedEngine:
         logits = self.tokens_to_logits(tokens_BS, start, self.padding, self.caches, last_only=True)
         return logits[:, -1] if logits is not None else None
 
-    def share(self, tokens_B: torch.Tensor) -> torch.Tensor:
-        """The head's rank decided the next tokens; every rank gets them (and so takes the same decisions)."""
-        return self.dist.broadcast(tokens_B.to(self.dist.device), self.head_rank)
+    def share(self, tokens_B: torch.Tensor, stop: bool) -> torch.Tensor:
+        """The head's rank decided the next tokens (and whether to stop); every rank gets them, so every rank
+        takes the same decisions. One broadcast of B + 1 values."""
+        tokens_B = tokens_B.to(self.dist.device)
+        flag = torch.full((1,), int(stop), dtype=tokens_B.dtype, device=tokens_B.device)
+        return self.dist.broadcast(torch.cat([tokens_B, flag]), self.head_rank)
 
     @property
     def device(self) -> torch.device:
@@ -101,8 +104,9 @@ class ShardedEngine:
 
     # -- the Engine interface ----------------------------------------------------------------------
     def generate(self, ids: list[list[int]], params: SamplingParams, eos: int | None, context: int,
-                 on_token: Callable[[int, int], None] | None = None) -> GenerationResult:
-        return generate_tokens(self, ids, params, eos, context, on_token)
+                 on_token: Callable[[int, int], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> GenerationResult:
+        return generate_tokens(self, ids, params, eos, context, on_token, should_stop)
 
     def logits(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         logits = self.tokens_to_logits(tokens_BS, 0, None, None, last_only=False)

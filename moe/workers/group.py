@@ -19,6 +19,8 @@ from moe.parallel.distributed import check_port_free, free_port
 from moe.workers.spawn import RankProcess, start_rank
 
 _USER_ERROR_TYPES = {c.__name__: c for c in USER_ERRORS}
+READY = 0  # the id of the load reports every rank sends once it holds its share
+CANCEL_WAIT_S = 60.0  # a cancelled request not wound down by then means a rank is stuck: stop them all
 
 
 def cpu_threads_per_rank(world_size: int) -> int:
@@ -58,7 +60,8 @@ class WorkerGroup:
             check_port_free(master_port)
         port = master_port or free_port()
         threads = threads or cpu_threads_per_rank(world_size)
-        self.closed = False
+        self.closed, self.closed_reason = False, ""
+        self.next_id = READY
         self.ranks: list[RankProcess] = []
         atexit.register(self.close)
         try:
@@ -68,43 +71,89 @@ class WorkerGroup:
         except BaseException:
             self.close(force=True)
             raise
-        self.ready = self._collect()  # each rank's load report
+        try:
+            self.ready, _ = self._collect(READY)  # each rank's load report; any error here stops them all
+        except BaseException as e:
+            self.close(force=True, reason=f"loading failed: {e}")
+            raise
 
     @property
     def pids(self) -> list[int]:
         return [rp.pid for rp in self.ranks]
 
     def call(self, *request, on_token: Callable[[int, int], None] | None = None) -> list:
-        """Send the same request to every rank; return each rank's reply."""
-        if self.closed:
-            raise RuntimeError("the worker processes were closed")
-        for rp in self.ranks:
-            rp.conn.send(request)
-        return self._collect(on_token)
+        """Send the same request to every rank; return each rank's reply.
 
-    def _collect(self, on_token=None) -> list:
+        A request is a transaction: replies carry its id (a late reply of an earlier request is dropped), and
+        if the caller's side fails meanwhile (a streamer raises, Ctrl-C) the request is cancelled on every rank
+        before the exception goes on, so the next call gets its own answer."""
+        if self.closed:
+            raise RankFailure(f"this model's ranks were closed ({self.closed_reason}); load it again")
+        self.next_id += 1
+        req = self.next_id
+        for rp in self.ranks:
+            rp.conn.send((req, *request))
+        try:
+            replies, errors = self._collect(req, on_token)
+        except BaseException:
+            if not self.closed:
+                self._cancel(req)
+            raise
+        if errors:  # every rank has answered: the model stays usable
+            rank, (name, text) = min(errors.items())
+            raise _USER_ERROR_TYPES.get(name, ValueError)(f"rank {rank}: {text}" if len(self.ranks) > 1 else text)
+        return replies
+
+    def _cancel(self, req: int) -> None:
+        """Ask every rank to drop request `req` and wait until each has; if that fails too, stop them all."""
+        try:
+            for rp in self.ranks:
+                rp.conn.send(("cancel", req))
+            self._collect(req, None, give_up_after=CANCEL_WAIT_S)
+        except BaseException:
+            self.close(force=True, reason="an interrupted request could not be cancelled")
+
+    def _collect(self, req: int, on_token=None,
+                 give_up_after: float | None = None) -> tuple[list, dict[int, tuple[str, str]]]:
+        """Every rank's final answer to `req`: (results, or None where cancelled; user errors by rank). A rank
+        that does not follow another's user error within seconds fails the group, as does waiting past
+        `give_up_after` seconds."""
+        give_up = time.monotonic() + give_up_after if give_up_after is not None else None
         replies: dict[int, object] = {}
+        errors: dict[int, tuple[str, str]] = {}
         by_conn = {id(rp.conn): rp for rp in self.ranks}
-        while len(replies) < len(self.ranks):
-            pending = [rp.conn for rp in self.ranks if rp.rank not in replies]
-            for conn in wait(pending, timeout=5):
+        deadline = None
+        while len(replies) + len(errors) < len(self.ranks):
+            if give_up is not None and time.monotonic() > give_up:
+                raise TimeoutError(f"request {req} was not cancelled within {give_up_after:g} s")
+            if deadline is not None and time.monotonic() > deadline:
+                rank, (name, text) = min(errors.items())
+                self._fail(rank, f"raised {name}: {text}, and the other ranks did not follow")
+            pending = [rp.conn for rp in self.ranks if rp.rank not in replies and rp.rank not in errors]
+            for conn in wait(pending, timeout=1):
                 rp = by_conn[id(conn)]
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
                     self._fail(*self._root_cause(rp.rank, _exit_cause(rp)))
-                if msg[0] == "token":
-                    if on_token is not None:
-                        on_token(msg[1], msg[2])
-                elif msg[0] == "ok":
-                    replies[rp.rank] = msg[1]
-                else:
-                    _, kind, name, text, detail = msg
-                    if kind == "user" and name in _USER_ERROR_TYPES:
-                        self.close(force=True)
-                        raise _USER_ERROR_TYPES[name](f"rank {rp.rank}: {text}")
+                kind, msg_req, *rest = msg
+                if kind == "error" and rest[0] != "user":  # a rank failed, whatever it was doing
+                    _, name, text, detail = rest
                     self._fail(*self._root_cause(rp.rank, f"raised {name}: {text}"), detail)
-        return [replies[r] for r in range(len(self.ranks))]
+                if msg_req != req:
+                    continue  # a late reply to a request that was cancelled
+                if kind == "token":
+                    if on_token is not None:
+                        on_token(*rest)
+                elif kind in ("ok", "cancelled"):
+                    replies[rp.rank] = rest[0] if kind == "ok" else None
+                else:  # a user error
+                    if req == READY:  # this rank could not load its share: nothing is left to keep
+                        self.close(force=True, reason=f"rank {rp.rank}: {rest[2]}")
+                        raise _USER_ERROR_TYPES.get(rest[1], ValueError)(f"rank {rp.rank}: {rest[2]}")
+                    errors[rp.rank] = (rest[1], rest[2])
+                    deadline = deadline or time.monotonic() + 10
+        return [replies.get(r) for r in range(len(self.ranks))], errors
 
     def _root_cause(self, rank: int, cause: str) -> tuple[int, str]:
         """A rank whose peer was killed raises a transport error; blame the killed peer when there is one."""
@@ -118,19 +167,20 @@ class WorkerGroup:
         return rank, cause
 
     def _fail(self, rank: int, cause: str, detail: str = "") -> None:
-        self.close(force=True)
-        raise RankFailure(f"rank {rank} {cause}; stopped all {len(self.ranks)} ranks", detail)
+        message = f"rank {rank} {cause}; stopped all {len(self.ranks)} ranks"
+        self.close(force=True, reason=message)
+        raise RankFailure(message, detail)
 
-    def close(self, force: bool = False) -> None:
+    def close(self, force: bool = False, reason: str = "closed") -> None:
         """Stop every rank: politely when healthy, by signal otherwise. Safe to call twice."""
         if self.closed:
             return
-        self.closed = True
+        self.closed, self.closed_reason = True, reason
         atexit.unregister(self.close)
         if not force:
             try:
                 for rp in self.ranks:
-                    rp.conn.send(("close",))
+                    rp.conn.send((0, "close"))
                 deadline = time.monotonic() + 10
                 for rp in self.ranks:
                     rp.proc.wait(timeout=max(0.1, deadline - time.monotonic()))

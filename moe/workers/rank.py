@@ -26,6 +26,7 @@ from moe.parallel.sharding import apply_expert_placement, apply_placement, use_a
 from moe.progress import Progress
 
 ATTENTION_MODES = ("owner", "replicated")
+READY = 0  # the request id of the load report (moe.workers.group)
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ def worker_main(conn, rank: int, world_size: int, port: int, threads: int, spec:
         baseline = peak_memory_mib(dist.device)  # the process before any weight is read
         engine, stats = load_shard(spec, dist)
         names = sorted(name for name, _ in engine.model.named_parameters())  # not state_dict(): it unpacks weights
-        conn.send(("ok", {"rank": rank, "params": names, **stats,
+        conn.send(("ok", READY, {"rank": rank, "params": names, **stats,
                           "baseline_mib": baseline, "loaded_peak_mib": peak_memory_mib(dist.device),
                           "device": str(dist.device), "backend": dist.backend}))
         serve(engine, conn)
@@ -86,7 +87,7 @@ def worker_main(conn, rank: int, world_size: int, port: int, threads: int, spec:
         kind = "user" if isinstance(e, USER_ERRORS) else "fault"
         detail = "" if kind == "user" else traceback.format_exc(limit=-3)
         try:
-            conn.send(("error", kind, type(e).__name__, str(e).splitlines()[0] if str(e) else "", detail))
+            conn.send(("error", READY, kind, type(e).__name__, str(e).splitlines()[0] if str(e) else "", detail))
         except OSError:
             pass
         sys.stderr.flush()
@@ -95,26 +96,47 @@ def worker_main(conn, rank: int, world_size: int, port: int, threads: int, spec:
 
 
 def serve(engine: ShardedEngine, conn) -> None:
-    """Run each call the parent sends on the engine, by name; rank 0 replies (every rank has the same answer)."""
+    """Run each call the parent sends on the engine, by name; rank 0 replies (every rank has the same answer).
+
+    A user error (bad input found here, a save that cannot write) is replied and the rank serves on: every rank
+    meets it at the same point, so they stay in step. Anything else ends the process (`worker_main`)."""
     rank = engine.rank
     while True:
-        op, *args = conn.recv()
+        msg = conn.recv()
+        if msg[0] == "cancel":
+            continue  # for a request that ended before the cancel arrived
+        req, op, *args = msg
         if op == "close":
-            conn.send(("ok", None))
+            conn.send(("ok", req, None))
             return
         if op == "fail":  # fault injection for tests: this rank raises, the others wait in a collective
             if rank == args[0]:
                 raise RuntimeError(f"injected failure on rank {rank}")
             engine.dist.barrier()
-            conn.send(("ok", None))
+            conn.send(("ok", req, None))
             continue
         every_rank = op == "each"  # inspection: every rank's own answer, to check that they agree
         if every_rank:
             op, *args = args
         if op not in ENGINE_CALLS:
             raise ValueError(f"unknown request {op!r}")
-        kwargs = {}
-        if op == "generate" and rank == 0:
-            kwargs["on_token"] = lambda b, t: conn.send(("token", b, t))
-        result = getattr(engine, op)(*args, **kwargs)
-        conn.send(("ok", result if rank == 0 or every_rank else None))
+        try:
+            result = getattr(engine, op)(*args, **_request_hooks(op, req, rank, conn))
+        except USER_ERRORS as e:
+            conn.send(("error", req, "user", type(e).__name__, str(e).splitlines()[0] if str(e) else "", ""))
+            continue
+        if getattr(result, "cancelled", False):
+            conn.send(("cancelled", req))
+        else:
+            conn.send(("ok", req, result if rank == 0 or every_rank else None))
+
+
+def _request_hooks(op: str, req: int, rank: int, conn) -> dict:
+    """For generate: rank 0 streams each token up; every rank can see a cancel waiting on its pipe (the head's
+    rank decides, and its decision reaches the others with the next tokens)."""
+    if op != "generate":
+        return {}
+    hooks = {"should_stop": conn.poll}
+    if rank == 0:
+        hooks["on_token"] = lambda b, t: conn.send(("token", req, b, t))
+    return hooks
