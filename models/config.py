@@ -39,6 +39,10 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"config field {name} must be a positive integer, got {value!r}")
+        for name in ("norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ConfigError(f"config field {name} must be a positive number, got {value!r}")
         if self.top_k > self.n_experts:
             raise ConfigError(f"top_k={self.top_k} is larger than n_experts={self.n_experts}")
         if self.n_heads % self.n_kv_heads:

@@ -147,3 +147,21 @@ def test_interrupted_save_leaves_nothing_that_looks_valid(source, tmp_path, monk
             MoEModel.from_pretrained(source[0]).save_pretrained(tmp_path / "out", max_shard_size="20KB")
     assert len(calls) == 2
     assert list(tmp_path.iterdir()) == []  # no target, no partial directory left behind
+
+
+def test_a_killed_saves_partial_directory_is_removed_by_the_next_save(source, tmp_path):
+    """A save killed with SIGKILL runs no cleanup; the next save to the same place removes what it left."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, moe.checkpoint.writer as w\n"
+            "real = w.save_file\n"
+            "def kill(*a, **k): os.kill(os.getpid(), signal.SIGKILL)\n"
+            "w.save_file = kill\n"
+            "from moe import MoEModel\n"
+            f"MoEModel.from_pretrained({str(source[0])!r}).save_pretrained({str(tmp_path / 'out')!r})\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9
+    assert [p.name.startswith(".out.partial-") for p in tmp_path.iterdir()] == [True]  # left behind
+    MoEModel.from_pretrained(source[0]).save_pretrained(tmp_path / "out")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]

@@ -125,12 +125,25 @@ def refuse_non_empty(out_dir: Path) -> None:
 
 
 def make_partial_dir(out_dir: Path) -> Path:
-    """A hidden temporary sibling of `out_dir`; the checkpoint becomes visible only when it is renamed."""
+    """A hidden temporary sibling of `out_dir`; the checkpoint becomes visible only when it is renamed. Its
+    name carries this process's id, so partial directories left by a killed save are recognised and removed."""
     refuse_non_empty(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    remove_stale_partials(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-{os.getpid()}-", dir=out_dir.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is meant to be shared
     return tmp
+
+
+def remove_stale_partials(out_dir: Path) -> list[Path]:
+    """Remove the partial directories of saves to `out_dir` whose process no longer runs (killed mid-save)."""
+    removed = []
+    for partial in out_dir.parent.glob(f".{out_dir.name}.partial-*"):
+        pid = partial.name.removeprefix(f".{out_dir.name}.partial-").split("-")[0]
+        if partial.is_dir() and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(partial, ignore_errors=True)
+            removed.append(partial)
+    return removed
 
 
 def finish_checkpoint(tmp: Path, out_dir: Path, cfg: ModelConfig | None, dtype: str | None,

@@ -14,16 +14,40 @@ from moe.parallel.distributed import DEFAULT_TIMEOUT_S, under_torchrun
 
 
 def run_command(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    """Run a command; a user error is one line and exit 2, a failed rank one line and exit 1."""
+    """Run a command: a user error is one line and exit 2, a failure one line and exit 1, Ctrl-C one line
+    (`interrupted`) and exit 130; `--debug` shows the traceback instead."""
+    debug = getattr(args, "debug", False)
     try:
+        check_flags(args)
         return command(args)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("interrupted", file=sys.stderr)
+        return 130
     except USER_ERRORS as e:
+        if debug:
+            raise
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank finds the same bad input: say it once
             print(f"error: {e}", file=sys.stderr)
         return 2
-    except RankFailure as e:
+    except (RankFailure, OSError) as e:
+        if debug:
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 1
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Numbers every command shares, checked before anything starts."""
+    for flag, low, high in (("threads", 1, 4096), ("gpus", 1, 4096), ("master_port", 1, 65535),
+                            ("max_new_tokens", 1, 10**7), ("batch_size", 1, 10**6), ("seq_len", 1, 10**7)):
+        value = getattr(args, flag, None)
+        if value is not None and not low <= value <= high:
+            raise ValueError(f"--{flag.replace('_', '-')} {value}: must be between {low} and {high}")
+    timeout = getattr(args, "timeout", None)
+    if timeout is not None and not 0 < timeout < float("inf"):
+        raise ValueError(f"--timeout {timeout}: must be a positive number of seconds")
 
 
 def refuse_gpus_under_torchrun(args: argparse.Namespace) -> None:
@@ -36,13 +60,24 @@ def refuse_gpus_under_torchrun(args: argparse.Namespace) -> None:
 def read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt)
     if args.prompt_file:
-        path = Path(args.prompt_file)
-        if not path.is_file():
-            raise FileNotFoundError(f"--prompt-file {path}: no such file")
-        prompts += [line for line in path.read_text().splitlines() if line.strip()]
+        prompts += [line for line in read_text_arg("--prompt-file", args.prompt_file).splitlines() if line.strip()]
     if not prompts:
         raise ValueError("give at least one --prompt or a --prompt-file")
     return prompts
+
+
+def read_text_arg(flag: str, name: str) -> str:
+    """A UTF-8 text file named on the command line; `-` is standard input."""
+    try:
+        data = sys.stdin.buffer.read() if name == "-" else Path(name).read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{flag} {name}: no such file") from None
+    except OSError as e:
+        raise ValueError(f"{flag} {name}: cannot read ({e.strerror})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag} {name}: not UTF-8 text (byte {e.start}); convert it, e.g. iconv -t UTF-8") from None
 
 
 def parse_blocks_per_rank(text: str | None) -> list[int] | None:
@@ -75,3 +110,4 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                     help=f"how long ranks wait for the slowest one, e.g. while loading (default {DEFAULT_TIMEOUT_S:g})")
     ap.add_argument("--quiet", action="store_true", help="no progress bars or load lines")
+    ap.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")

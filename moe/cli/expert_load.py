@@ -16,7 +16,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  description="Measure which experts and ranks receive how many tokens.")
     add_model_args(ap)
     ap.add_argument("--prompt", action="append", default=[], help="prompt text; repeat for more")
-    ap.add_argument("--prompt-file", help="file with one prompt per non-empty line")
+    ap.add_argument("--prompt-file", help="file with one prompt per non-empty line; - reads standard input")
     ap.add_argument("--out", required=True, help="directory for expert_load.json/.csv/.png")
     ap.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens generated per prompt")
     ap.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default 8)")

@@ -21,7 +21,7 @@ from moe.cli.common import (
     run_command,
     say_from,
 )
-from moe.generation import GenerationResult
+from moe.generation import GenerationResult, SamplingParams
 from moe.memory import MemoryUse, describe
 from moe.parallel.devices import resolve_device
 from moe.parallel.distributed import under_torchrun
@@ -46,7 +46,7 @@ def parser() -> argparse.ArgumentParser:
                                  description="Generate text with a mixture-of-experts model sharded over ranks.")
     add_model_args(ap)
     ap.add_argument("--prompt", action="append", default=[], help="prompt text; repeat for a batch")
-    ap.add_argument("--prompt-file", help="file with one prompt per non-empty line")
+    ap.add_argument("--prompt-file", help="file with one prompt per non-empty line; - reads standard input")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default)")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0 = off)")
@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def generate(args: argparse.Namespace) -> int:
     refuse_gpus_under_torchrun(args)
+    SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed or 0)  # before loading
     prompts = read_prompts(args)
     cfg = detect(args.ckpt).config
     torchrun = under_torchrun()

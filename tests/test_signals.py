@@ -1,0 +1,68 @@
+"""Ctrl-C ends a command within seconds with one line and status 130, leaving no process behind; the model
+that a library user interrupted stays usable (tests/test_requests.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.checkpoints import ROOT, TRAINED
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+
+def descendants(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout.split()
+    kids = [int(p) for p in out]
+    return kids + [g for k in kids for g in descendants(k)]
+
+
+@pytest.mark.parametrize("gpus", ["1", "2"])
+def test_sigint_mid_generation_ends_with_one_line_and_status_130(gpus, tmp_path):
+    prompts = tmp_path / "prompts.txt"  # a batch, so that generating takes a while
+    prompts.write_text("\n".join(f"Chapter {i}. It is a truth universally acknowledged" for i in range(48)))
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "generate.py"), "--ckpt", str(TRAINED),
+                             "--gpus", gpus, "--prompt-file", str(prompts), "--max-new-tokens", "100000", "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not proc.stdout.readline().startswith("settings:"):  # generation starts
+        assert proc.poll() is None, proc.stderr.read()
+    time.sleep(1.0)
+    assert proc.poll() is None  # still generating
+    ranks = descendants(proc.pid)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    code = proc.wait(timeout=30)
+    took = time.monotonic() - t0
+    err = proc.stderr.read()
+    assert code == 130 and err == "interrupted\n", err
+    assert took < 2, took
+    time.sleep(0.5)
+    assert not [p for p in ranks if os.path.exists(f"/proc/{p}")]
+
+
+def test_prompts_from_standard_input_and_a_non_utf8_prompt_file(tmp_path):
+    run = [sys.executable, str(ROOT / "scripts" / "generate.py"), "--ckpt", str(TRAINED), "--max-new-tokens", "2"]
+    piped = subprocess.run([*run, "--prompt-file", "-"], input="And God said\n\nIn the beginning\n",
+                           capture_output=True, text=True, timeout=120)
+    assert piped.returncode == 0 and "[1] In the beginning" in piped.stdout, piped.stderr
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("Caf\xe9 au lait\n".encode("latin-1"))
+    bad = subprocess.run([*run, "--prompt-file", str(latin)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr == f"error: --prompt-file {latin}: not UTF-8 text (byte 3); convert " \
+                                                 "it, e.g. iconv -t UTF-8\n"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--threads", "-1"], "--threads -1: must be between 1 and 4096"),
+    (["--master-port", "70000", "--gpus", "2"], "--master-port 70000: must be between 1 and 65535"),
+    (["--temperature", "nan"], "temperature must be a finite number, got nan"),
+])
+def test_bad_flags_are_one_line_with_status_2(flags, message):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), "--ckpt", str(TRAINED),
+                           "--prompt", "x", *flags], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr == f"error: {message}\n", proc.stderr
