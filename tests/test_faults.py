@@ -133,3 +133,29 @@ def test_torchrun_joins_the_given_group_and_prints_the_one_rank_text():
     text = [line for line in proc.stdout.splitlines() if line.startswith("And God said")]
     assert len(text) == 1 and text == [line for line in one.stdout.splitlines() if line.startswith("And God said")]
     assert "peak RSS per rank" in proc.stdout
+
+
+def test_a_frozen_rank_is_named_within_30_seconds():
+    """SIGSTOP: the rank is alive but silent; the others wait in a collective and keep beating."""
+    model = MoEModel.from_pretrained(SHIPPED, gpus=3)
+    pids = model.info.pids
+    stopped_at = []
+
+    def freeze_rank_2(b, piece):
+        if not stopped_at:
+            os.kill(pids[2], signal.SIGSTOP)
+            stopped_at.append(time.monotonic())
+
+    try:
+        with pytest.raises(RankFailure) as e:
+            model.generate(["And God said"], max_new_tokens=2000, ignore_eos=True, streamer=freeze_rank_2)
+        assert time.monotonic() - stopped_at[0] < 30
+        assert str(e.value).startswith("rank 2 stopped responding"), str(e.value)
+        time.sleep(0.5)
+        assert not any(alive(p) for p in pids)
+        with pytest.raises(RankFailure, match="were closed .*rank 2 stopped responding"):
+            model.generate(["x"])
+    finally:
+        for p in pids:
+            if alive(p):
+                os.kill(p, signal.SIGKILL)

@@ -20,6 +20,7 @@ from moe.workers.spawn import RankProcess, start_rank
 
 _USER_ERROR_TYPES = {c.__name__: c for c in USER_ERRORS}
 READY = 0  # the id of the load reports every rank sends once it holds its share
+FROZEN_AFTER_S = 10.0  # a rank busy with a request beats every 2 s (moe.workers.rank.Heartbeat)
 CANCEL_WAIT_S = 60.0  # a cancelled request not wound down by then means a rank is stuck: stop them all
 
 
@@ -123,20 +124,27 @@ class WorkerGroup:
         errors: dict[int, tuple[str, str]] = {}
         by_conn = {id(rp.conn): rp for rp in self.ranks}
         deadline = None
+        heard = {rp.rank: time.monotonic() for rp in self.ranks}  # last message from each rank
         while len(replies) + len(errors) < len(self.ranks):
             if give_up is not None and time.monotonic() > give_up:
                 raise TimeoutError(f"request {req} was not cancelled within {give_up_after:g} s")
             if deadline is not None and time.monotonic() > deadline:
                 rank, (name, text) = min(errors.items())
                 self._fail(rank, f"raised {name}: {text}, and the other ranks did not follow")
-            pending = [rp.conn for rp in self.ranks if rp.rank not in replies and rp.rank not in errors]
-            for conn in wait(pending, timeout=1):
+            pending = [rp for rp in self.ranks if rp.rank not in replies and rp.rank not in errors]
+            silent = [rp.rank for rp in pending if time.monotonic() - heard[rp.rank] > FROZEN_AFTER_S]
+            if silent and req != READY:  # loading has no heartbeat yet; a dead loader closes its pipe
+                self._fail(silent[0], f"stopped responding (no heartbeat for {FROZEN_AFTER_S:g} s: stopped or frozen)")
+            for conn in wait([rp.conn for rp in self.ranks], timeout=1):
                 rp = by_conn[id(conn)]
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
                     self._fail(*self._root_cause(rp.rank, _exit_cause(rp)))
                 kind, msg_req, *rest = msg
+                heard[rp.rank] = time.monotonic()
+                if kind == "alive":
+                    continue
                 if kind == "error" and rest[0] != "user":  # a rank failed, whatever it was doing
                     _, name, text, detail = rest
                     self._fail(*self._root_cause(rp.rank, f"raised {name}: {text}"), detail)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -27,6 +29,7 @@ from moe.progress import Progress
 
 ATTENTION_MODES = ("owner", "replicated")
 READY = 0  # the request id of the load report (moe.workers.group)
+HEARTBEAT_S = 2.0  # a rank busy with a request says so this often
 
 
 @dataclass(frozen=True)
@@ -95,17 +98,39 @@ def worker_main(conn, rank: int, world_size: int, port: int, threads: int, spec:
     os._exit(0)
 
 
+class Heartbeat:
+    """While a request runs, a thread of the rank says it is alive every `HEARTBEAT_S` seconds, even when the
+    main thread waits in a collective; a rank that is stopped or frozen falls silent, and the parent names it."""
+
+    def __init__(self, conn) -> None:
+        self.conn, self.req = conn, None
+        threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
+
+    def _beat(self) -> None:
+        while True:
+            time.sleep(HEARTBEAT_S)
+            req = self.req
+            if req is not None:
+                try:
+                    self.conn.send(("alive", req))
+                except OSError:
+                    return
+
+
 def serve(engine: ShardedEngine, conn) -> None:
     """Run each call the parent sends on the engine, by name; rank 0 replies (every rank has the same answer).
 
     A user error (bad input found here, a save that cannot write) is replied and the rank serves on: every rank
     meets it at the same point, so they stay in step. Anything else ends the process (`worker_main`)."""
     rank = engine.rank
+    heartbeat = Heartbeat(conn)
     while True:
+        heartbeat.req = None  # idle between requests: nothing to say, and nobody reading
         msg = conn.recv()
         if msg[0] == "cancel":
             continue  # for a request that ended before the cancel arrived
         req, op, *args = msg
+        heartbeat.req = req
         if op == "close":
             conn.send(("ok", req, None))
             return

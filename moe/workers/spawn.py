@@ -11,6 +11,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
@@ -28,9 +29,12 @@ class Channel:
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
+        self.lock = threading.Lock()  # a rank's heartbeat thread sends beside its main thread
 
     def send(self, obj: object) -> None:
-        self.conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        with self.lock:
+            self.conn.send_bytes(data)
 
     def recv(self) -> object:
         return pickle.loads(self.conn.recv_bytes())
