@@ -24,8 +24,8 @@ from moe.engine.base import Engine
 from moe.engine.build import build_model
 from moe.engine.local import LocalEngine
 from moe.generation import SamplingParams, check_prompts
-from moe.memory import MemoryUse, peak_memory_mib
-from moe.parallel.devices import resolve_device
+from moe.memory import MemoryUse, available_mib, peak_memory_mib
+from moe.parallel.devices import ranks_device
 from moe.parallel.distributed import DEFAULT_TIMEOUT_S, from_torchrun
 from moe.parallel.placement import Placement, resolve_placement
 from moe.progress import Progress
@@ -99,7 +99,7 @@ class MoEModel:
         joined = from_torchrun(device, timeout_s)
         if joined is not None:
             return cls._join_torchrun(path, cfg, tokenizer, base, joined, gpus, placement, blocks_per_rank, progress)
-        kind = resolve_device(device, gpus)
+        kind = ranks_device(device, gpus)
         if gpus == 1 and placement is None:
             return cls._load_here(path, cfg, tokenizer, base, device if device.startswith("cuda:") else kind,
                                   progress)
@@ -197,6 +197,7 @@ class MoEModel:
             raise ValueError(f"prompt {[bool(p) for p in prompts].index(False)} is empty")
         ids = [self.tokenizer.encode(p) for p in prompts] if is_text else [list(map(int, p)) for p in prompts]
         check_prompts(ids, self.config.vocab_size, self.config.max_seq_len)
+        self._check_kv_cache(len(ids), min(max(map(len, ids)) + max_new_tokens, self.config.max_seq_len))
         params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed if seed is not None else 0)
         eos = self._tokenizer.eos_id if self._tokenizer is not None else self.config.eos_id
         eos = None if ignore_eos else eos
@@ -218,6 +219,21 @@ class MoEModel:
         if not is_text:
             return result.tokens
         return [self.tokenizer.decode_continuation(p, t) for p, t in zip(ids, result.tokens, strict=True)]
+
+    def _check_kv_cache(self, batch: int, length: int) -> None:
+        """Refuse, before any memory is taken, a request whose KV cache cannot fit where it would live."""
+        cfg, itemsize = self.config, getattr(torch, self.info.dtype).itemsize
+        need = batch * length * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * itemsize
+        device = getattr(self.engine, "device", torch.device("cpu")) if self.info.launch == "local" else None
+        if device is not None and device.type == "cuda":
+            free, where = torch.cuda.mem_get_info(device)[0], str(device)
+        elif self.info.backend in ("none", "gloo"):  # this machine's memory holds every rank's share
+            free, where = available_mib() * 2**20, "host memory"
+        else:
+            return  # GPU ranks in other processes: their free memory is not visible from here
+        if need > free:
+            raise ValueError(f"a KV cache for {batch} sequence(s) of {length} positions needs {need / 2**30:.1f} GiB, "
+                             f"{where} has {free / 2**30:.1f} GiB free; ask for fewer new tokens or fewer prompts")
 
     def save_pretrained(self, path: str | Path, max_shard_size: str | int | None = "200MB",
                         progress: bool = False) -> list[dict]:

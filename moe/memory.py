@@ -8,17 +8,29 @@ from dataclasses import dataclass
 import torch
 
 
+def _proc_kib(path: str, key: str) -> float | None:
+    """A `key: N kB` line of a /proc file, in KiB (None where /proc is missing)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return float(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 def host_peak_mib() -> float:
     """Peak resident memory of this process in MiB."""
     # VmHWM belongs to this address space; ru_maxrss survives exec and would include a spawning parent's peak.
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    kib = _proc_kib("/proc/self/status", "VmHWM")
+    return kib / 1024 if kib is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def available_mib() -> float:
+    """Memory the kernel could give this machine's processes now (MemAvailable), in MiB; inf if unknown."""
+    kib = _proc_kib("/proc/meminfo", "MemAvailable")
+    return kib / 1024 if kib is not None else float("inf")
 
 
 def peak_memory_mib(device: torch.device | str = "cpu") -> float:

@@ -129,3 +129,28 @@ def test_cli_empty_prompt(tmp_path):
                            str(ROOT / "weights" / "tiny-random-mixtral"), "--prompt", ""],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "prompt 0 is empty" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_sizes_are_bounded_before_anything_is_allocated(tmp_path, monkeypatch):
+    import json as _json
+    import shutil as _shutil
+
+    from moe.parallel.devices import check_cpu_ranks
+    from tests.checkpoints import TRAINED
+
+    with pytest.raises(ValueError, match=r"^--gpus 1000: this machine runs at most 8 CPU ranks \(2 cores"):
+        check_cpu_ranks(1000, 2, 24 * 1024)
+    with pytest.raises(ValueError, match="runs at most 4 CPU ranks"):
+        check_cpu_ranks(6, 8, 1000)  # memory for 4 interpreters only
+    huge = tmp_path / "huge"
+    _shutil.copytree(TRAINED, huge)
+    cfg = _json.loads((huge / "config.json").read_text())
+    (huge / "config.json").write_text(_json.dumps(cfg | {"num_hidden_layers": 1_000_000}))
+    with pytest.raises(CheckpointError, match=r"config.json: describes [\d,]+ weights \(num_hidden_layers=1000000"):
+        MoEModel.from_pretrained(huge)
+    with MoEModel.from_pretrained(TRAINED) as model:
+        monkeypatch.setattr("moe.api.available_mib", lambda: 1.0)  # as if the machine had 1 MiB free
+        with pytest.raises(ValueError, match=r"KV cache for 2 sequence\(s\) of 1024 positions needs .* GiB free"):
+            model.generate(["And God said", "In the"], max_new_tokens=5000)
+        monkeypatch.undo()
+        assert model.generate(["And God said"], max_new_tokens=2)  # still usable

@@ -127,7 +127,29 @@ def detect(directory: str | Path) -> CheckpointFormat:
         if any(p.suffix in (".bin", ".pt", ".pth") for p in d.iterdir()):
             refuse_pickles(d)
         raise CheckpointError(f"{d}: neither config.json (Hugging Face) nor params.json (Mistral) found")
+    check_size(d, cfg, "config.json" if fmt == HF else "params.json")
     return CheckpointFormat(fmt, cfg, files, dtype)
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """Weights the config implies (embedding, head unless tied, every block's attention, norms, router, experts)."""
+    attention = cfg.dim * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    experts = cfg.n_experts * 3 * cfg.dim * cfg.hidden_dim + (cfg.n_experts * cfg.dim if cfg.n_experts > 1 else 0)
+    embeddings = cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
+    return embeddings + cfg.n_layers * (attention + experts + 2 * cfg.dim) + cfg.dim
+
+
+def check_size(directory: Path, cfg: ModelConfig, config_name: str) -> None:
+    """Before any model is built or memory taken: the config must describe weights that fit in the files
+    (at one byte per weight at least), so a wrong `num_hidden_layers` or `vocab_size` is one line, not a
+    machine that runs out of memory."""
+    weights = [p for p in directory.glob("*.safetensors")]
+    on_disk = sum(p.stat().st_size for p in weights if p.exists())
+    implied = parameter_count(cfg)
+    if weights and implied > on_disk:
+        raise CheckpointError(f"{directory / config_name}: describes {implied:,} weights (num_hidden_layers="
+                              f"{cfg.n_layers}, vocab_size={cfg.vocab_size}, hidden_size={cfg.dim}), more than the "
+                              f"{on_disk:,} bytes of its safetensors files hold; the config does not match the weights")
 
 
 def _read_json(path: Path) -> dict:

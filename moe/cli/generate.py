@@ -23,7 +23,7 @@ from moe.cli.common import (
 )
 from moe.generation import GenerationResult, SamplingParams
 from moe.memory import MemoryUse, describe
-from moe.parallel.devices import resolve_device
+from moe.parallel.devices import ranks_device
 from moe.parallel.distributed import under_torchrun
 from moe.parallel.placement import resolve_placement
 from moe.workers.group import cpu_threads_per_rank
@@ -78,6 +78,7 @@ def generate(args: argparse.Namespace) -> int:
     torchrun = under_torchrun()
     ranks = int(os.environ["WORLD_SIZE"]) if torchrun else args.gpus
     say = say_from(int(os.environ.get("RANK", 0)))  # before the model exists: the entry point reads torchrun's rank
+    kind = None if torchrun else ranks_device(args.device, ranks)  # checked before any table; torchrun: per machine
     plan = None
     if ranks > 1 or args.placement:
         plan = resolve_placement(args.placement, cfg.n_layers, cfg.n_experts, ranks,
@@ -86,7 +87,7 @@ def generate(args: argparse.Namespace) -> int:
         if args.attention == "replicated":
             say("attention replicated: every rank holds the embedding, all blocks' attention and the head, "
                 "and runs its slice of the batch; experts as above")
-        if not torchrun and resolve_device(args.device, ranks) == "cpu":
+        if not torchrun and kind == "cpu":
             threads = args.threads or cpu_threads_per_rank(ranks)
             say(f"running {ranks} ranks as CPU processes over gloo, {threads} thread(s) each")
     if args.threads and (torchrun or ranks == 1):

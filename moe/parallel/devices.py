@@ -8,6 +8,7 @@ rendezvous store that every machine chose alike before any backend starts (mixed
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 import torch
@@ -29,6 +30,29 @@ def resolve_device(device: str, ranks_here: int, cuda_devices: int | None = None
         raise ValueError(f"{ranks_here} GPU ranks on this machine but only {n} CUDA device(s); use --device cpu "
                          f"(device='cpu') to run {ranks_here} CPU processes, or fewer ranks")
     return "cuda"
+
+
+RANKS_PER_CORE = 4  # more CPU ranks than this share a core so thinly that every collective crawls
+RANK_BASELINE_MIB = 250  # a rank's interpreter, torch and process group before any weight
+
+
+def ranks_device(device: str, ranks: int) -> str:
+    """`resolve_device` for ranks started on this machine, CPU ranks bounded by its cores and memory."""
+    kind = resolve_device(device, ranks)
+    if kind == "cpu" and ranks > 1:
+        from moe.memory import available_mib
+
+        check_cpu_ranks(ranks, len(os.sched_getaffinity(0)), available_mib())
+    return kind
+
+
+def check_cpu_ranks(ranks: int, cores: int, available_mib: float) -> None:
+    """Refuse, before a process starts, more CPU ranks than this machine can run."""
+    limit = min(RANKS_PER_CORE * cores, int(available_mib // RANK_BASELINE_MIB))
+    if ranks > limit:
+        raise ValueError(f"--gpus {ranks}: this machine runs at most {limit} CPU ranks ({cores} cores, "
+                         f"{available_mib / 1024:.1f} GiB free, about {RANK_BASELINE_MIB} MiB per rank before any "
+                         "weight); ask for fewer")
 
 
 def backend_for(kind: str) -> str:
