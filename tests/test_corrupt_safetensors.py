@@ -49,3 +49,21 @@ def test_a_header_that_is_not_an_object(tmp_path):
     write(tmp_path / "x.safetensors", [1, 2], b"")
     with pytest.raises(CheckpointError, match="not a JSON object"):
         read_header(tmp_path / "x.safetensors")
+
+
+def test_a_malformed_index_and_a_malformed_header_in_a_checkpoint(tmp_path):
+    import shutil
+
+    from moe import MoEModel
+    from tests.checkpoints import TRAINED
+
+    index = tmp_path / "index"
+    shutil.copytree(TRAINED, index)
+    (index / "model.safetensors.index.json").write_text('{"weight_map": ')
+    with pytest.raises(CheckpointError, match=r"model.safetensors.index.json: not a valid index \(no 'weight_map'"):
+        MoEModel.from_pretrained(index)
+    header = tmp_path / "header"
+    shutil.copytree(TRAINED, header)
+    (header / "model-00001-of-00002.safetensors").write_bytes(struct.pack("<Q", 16) + b"{not json at all")
+    with pytest.raises(CheckpointError, match="model-00001-of-00002.safetensors: corrupt safetensors header"):
+        MoEModel.from_pretrained(header)

@@ -45,9 +45,22 @@ class ShardedEngine:
     # -- stepping (moe.generation.Stepper) ---------------------------------------------------------
     def start(self, batch: int, length: int, pad_B: torch.Tensor) -> None:
         cfg = self.model.cfg
+        if self.dist.device.type == "cuda":  # the user's process cannot see this GPU's free memory: check here
+            self._check_kv_fits(batch * length * len(self.my_blocks) * 2 * cfg.n_kv_heads * cfg.head_dim
+                                * self.dtype.itemsize)
         self.caches = {str(i): KVCache(batch, cfg.n_kv_heads, length, cfg.head_dim, self.dtype, self.dist.device)
                        for i in self.my_blocks}
         self.padding = Padding.of(pad_B, self.dist.device)
+
+    def _check_kv_fits(self, need: int) -> None:
+        """Every rank compares its KV cache with its GPU's free memory; all raise the same error if one cannot
+        hold it, so they stay in step (a user error: the model stays usable)."""
+        free = torch.cuda.mem_get_info(self.dist.device)[0]
+        short = [(r, n, f) for r, (n, f) in enumerate(self.dist.all_gather_object((need, free))) if n > f]
+        if short:
+            r, n, f = short[0]
+            raise ValueError(f"rank {r}: a KV cache of {n / 2**30:.1f} GiB does not fit in its GPU's {f / 2**30:.1f} "
+                             "GiB free; ask for fewer new tokens or fewer prompts")
 
     def forward_last(self, tokens_BS: torch.Tensor, start: int) -> torch.Tensor | None:
         logits = self.tokens_to_logits(tokens_BS, start, self.padding, self.caches, last_only=True)
