@@ -197,8 +197,8 @@ class MoEModel:
             raise ValueError(f"prompt {[bool(p) for p in prompts].index(False)} is empty")
         ids = [self.tokenizer.encode(p) for p in prompts] if is_text else [list(map(int, p)) for p in prompts]
         check_prompts(ids, self.config.vocab_size, self.config.max_seq_len)
-        self._check_kv_cache(len(ids), min(max(map(len, ids)) + max_new_tokens, self.config.max_seq_len))
         params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed if seed is not None else 0)
+        self._check_kv_cache(len(ids), min(max(map(len, ids)) + max_new_tokens, self.config.max_seq_len))
         eos = self._tokenizer.eos_id if self._tokenizer is not None else self.config.eos_id
         eos = None if ignore_eos else eos
         on_token = None

@@ -18,6 +18,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="output dtype (default: the source's)")
     ap.add_argument("--max-shard-size", default=None, help="split HF output into files of at most this, e.g. 200MB")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
     return ap.parse_args(argv)
 
 

@@ -33,6 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     where.add_argument("--gpus", type=int, help="align files to the default placement over this many ranks")
     where.add_argument("--placement", help="align files to this placement JSON (scripts/plan_placement.py)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
     return ap.parse_args(argv)
 
 

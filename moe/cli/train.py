@@ -36,6 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", choices=DEVICES, default="auto",
                     help="auto (default): CUDA when there is a GPU per rank, CPU when there is none; cuda; cpu")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
     model = ap.add_argument_group("model")
     model.add_argument("--dim", type=int, default=128)
     model.add_argument("--layers", type=int, default=4)

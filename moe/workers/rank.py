@@ -83,8 +83,8 @@ def worker_main(conn, rank: int, world_size: int, port: int, threads: int, spec:
         engine, stats = load_shard(spec, dist)
         names = sorted(name for name, _ in engine.model.named_parameters())  # not state_dict(): it unpacks weights
         conn.send(("ok", READY, {"rank": rank, "params": names, **stats,
-                          "baseline_mib": baseline, "loaded_peak_mib": peak_memory_mib(dist.device),
-                          "device": str(dist.device), "backend": dist.backend}))
+                                 "baseline_mib": baseline, "loaded_peak_mib": peak_memory_mib(dist.device),
+                                 "device": str(dist.device), "backend": dist.backend}))
         serve(engine, conn)
     except BaseException as e:  # report, then exit: the parent stops the other ranks
         kind = "user" if isinstance(e, USER_ERRORS) else "fault"
