@@ -1,7 +1,7 @@
 """The Mixtral decoder on one device: embedding, blocks of (attention, MoE feed-forward), norm, head.
 
 Blocks live in a `ModuleDict` keyed by their global index, so parameter names (`layers.17.*`) stay the
-same whatever subset a rank holds. This file knows nothing of ranks; `moe.parallel.placement` prunes and rewires it.
+same whatever subset a rank holds. This file knows nothing of ranks; `moe.parallel.sharding` prunes and rewires it.
 """
 
 from __future__ import annotations

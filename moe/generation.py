@@ -53,9 +53,8 @@ class Stepper(Protocol):
 
     def forward_last(self, tokens_BS: torch.Tensor, start: int) -> torch.Tensor | None: ...
 
-    def share(self, tokens_B: torch.Tensor, stop: bool) -> torch.Tensor:
-        """[B + 1]: the head's rank's tokens and its stop decision (1 = cancel), on every rank, on the
-        engine's device."""
+    def share(self, decided: torch.Tensor) -> torch.Tensor:
+        """The head's rank's `decided` (here: [B tokens, stop flag]) on every rank, on the engine's device."""
 
     @property
     def device(self) -> torch.device: ...
@@ -136,7 +135,8 @@ def generate_tokens(engine: Stepper, prompts: list[list[int]], params: SamplingP
             generator = torch.Generator(device=logits.device).manual_seed(params.seed)
         nxt = sample(logits, params, generator) if logits is not None else torch.zeros(B, dtype=torch.long,
                                                                                          device=engine.device)
-        shared = engine.share(nxt, should_stop is not None and should_stop())  # [B tokens, stop], on the device
+        stop = torch.full((1,), int(should_stop is not None and should_stop()), dtype=nxt.dtype, device=nxt.device)
+        shared = engine.share(torch.cat([nxt, stop]))  # [B tokens, stop]: one broadcast carries both
         *host, stop = shared.tolist()  # the step's one read: control flow (EOS, streaming, stop) runs on the host
         nxt = shared[:-1]  # stays on the device: the next step's input
         if stop:

@@ -23,7 +23,8 @@ ENGINE_CALLS = ("generate", "logits", "load_stats", "reset_load_stats", "set_rou
 
 class Engine(Protocol):
     def generate(self, ids: list[list[int]], params: SamplingParams, eos: int | None, context: int,
-                 on_token: Callable[[int, int], None] | None = None) -> GenerationResult: ...
+                 on_token: Callable[[int, int], None] | None = None) -> GenerationResult:
+        """Engines that run the steps themselves also take `should_stop` (see `generate_tokens`)."""
 
     def logits(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         """[B, S, V] logits (no cache, positions from 0)."""

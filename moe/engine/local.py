@@ -36,8 +36,8 @@ class LocalEngine:
     def forward_last(self, tokens_BS: torch.Tensor, start: int) -> torch.Tensor:
         return self.model(tokens_BS.to(self.device), start, self.caches, self.padding, last_only=True)[:, -1]
 
-    def share(self, tokens_B: torch.Tensor, stop: bool) -> torch.Tensor:
-        return torch.cat([tokens_B, torch.full((1,), int(stop), dtype=tokens_B.dtype, device=tokens_B.device)])
+    def share(self, decided: torch.Tensor) -> torch.Tensor:
+        return decided  # one rank: it decided everything itself
 
     # -- the Engine interface ----------------------------------------------------------------------
     def generate(self, ids: list[list[int]], params: SamplingParams, eos: int | None, context: int,

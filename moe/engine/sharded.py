@@ -66,12 +66,10 @@ class ShardedEngine:
         logits = self.tokens_to_logits(tokens_BS, start, self.padding, self.caches, last_only=True)
         return logits[:, -1] if logits is not None else None
 
-    def share(self, tokens_B: torch.Tensor, stop: bool) -> torch.Tensor:
+    def share(self, decided: torch.Tensor) -> torch.Tensor:
         """The head's rank decided the next tokens (and whether to stop); every rank gets them, so every rank
-        takes the same decisions. One broadcast of B + 1 values."""
-        tokens_B = tokens_B.to(self.dist.device)
-        flag = torch.full((1,), int(stop), dtype=tokens_B.dtype, device=tokens_B.device)
-        return self.dist.broadcast(torch.cat([tokens_B, flag]), self.head_rank)
+        takes the same decisions."""
+        return self.dist.broadcast(decided.to(self.dist.device), self.head_rank)
 
     @property
     def device(self) -> torch.device:
