@@ -8,7 +8,7 @@ otherwise `RemoteEngine` over N rank processes started here. All three answer th
 
 from __future__ import annotations
 
-import os
+import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,7 +31,7 @@ from moe.parallel.placement import Placement, resolve_placement
 from moe.progress import Progress
 from moe.reports.expert_load import ExpertLoadReport
 from moe.tokenizer import IncrementalDecoder, Tokenizer
-from moe.workers.rank import ATTENTION_MODES, ShardSpec
+from moe.workers.rank import ATTENTION_MODES, ShardSpec, load_report
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,21 @@ class ModelInfo:
     load_seconds: list[float] = field(default_factory=list)  # per rank, reading its tensors
     bytes_read: list[int] = field(default_factory=list)  # per rank
     files_read: list[list[str]] = field(default_factory=list)  # per rank
-    rank_params: list[list[str]] = field(default_factory=list)  # per rank (rank processes only)
+    rank_params: list[list[str]] = field(default_factory=list)  # per rank, the parameters it holds
     pids: list[int] = field(default_factory=list)  # process id of each rank
     baseline_mib: list[float] = field(default_factory=list)  # per rank, memory before any weight was read
     loaded_peak_mib: list[float] = field(default_factory=list)  # per rank, peak memory once loaded
+
+    @classmethod
+    def from_reports(cls, base: dict, reports: list[dict], **where) -> ModelInfo:
+        """From every rank's `moe.workers.rank.load_report`, in rank order."""
+        def each(key: str) -> list:
+            return [r[key] for r in reports]
+
+        return cls(**base, **where, ranks=len(reports), backend=reports[0]["backend"],
+                   load_seconds=each("load_seconds"), bytes_read=each("bytes_read"), files_read=each("files_read"),
+                   rank_params=each("params"), pids=each("pid"), baseline_mib=each("baseline_mib"),
+                   loaded_peak_mib=each("loaded_peak_mib"))
 
 
 class MoEModel:
@@ -98,7 +109,7 @@ class MoEModel:
         base = dict(format=ckpt.fmt, dtype=dtype_name, cpu_kernels=cpu_kernels, attention=attention)
         joined = from_torchrun(device, timeout_s)
         if joined is not None:
-            return cls._join_torchrun(path, cfg, tokenizer, base, joined, gpus, placement, blocks_per_rank, progress)
+            return cls._join_torchrun(path, cfg, tokenizer, base, *joined, gpus, placement, blocks_per_rank, progress)
         kind = ranks_device(device, gpus)
         if gpus == 1 and placement is None:
             return cls._load_here(path, cfg, tokenizer, base, device if device.startswith("cuda:") else kind,
@@ -112,10 +123,8 @@ class MoEModel:
         baseline = peak_memory_mib(device)
         model, _, stats = build_model(path, base["dtype"], device, progress=Progress.for_loading(progress),
                                       pack=base["cpu_kernels"] == "onednn")
-        info = ModelInfo(**base, ranks=1, backend="none", launch="local", load_seconds=[stats["load_seconds"]],
-                         bytes_read=[stats["bytes_read"]], files_read=[stats["files_read"]], pids=[os.getpid()],
-                         baseline_mib=[baseline], loaded_peak_mib=[peak_memory_mib(device)])
-        return cls(LocalEngine(model), cfg, tokenizer, info)
+        report = load_report(model, stats, baseline, torch.device(device), "none")
+        return cls(LocalEngine(model), cfg, tokenizer, ModelInfo.from_reports(base, [report], launch="local"))
 
     @classmethod
     def _start_ranks(cls, spec: ShardSpec, cfg, tokenizer, base: dict, gpus: int, plan: Placement,
@@ -124,18 +133,12 @@ class MoEModel:
         from moe.workers.group import WorkerGroup
 
         group = WorkerGroup(gpus, spec, master_port, threads)
-        ready = group.ready
-        info = ModelInfo(**base, ranks=gpus, backend=ready[0]["backend"], launch="processes", placement=plan,
-                         load_seconds=[r["load_seconds"] for r in ready],
-                         bytes_read=[r["bytes_read"] for r in ready], files_read=[r["files_read"] for r in ready],
-                         rank_params=[r["params"] for r in ready], pids=group.pids,
-                         baseline_mib=[r["baseline_mib"] for r in ready],
-                         loaded_peak_mib=[r["loaded_peak_mib"] for r in ready])
+        info = ModelInfo.from_reports(base, group.ready, launch="processes", placement=plan)
         return cls(RemoteEngine(group), cfg, tokenizer, info)
 
     @classmethod
-    def _join_torchrun(cls, path, cfg, tokenizer, base: dict, dist, gpus: int, placement, blocks_per_rank,
-                       progress: bool) -> MoEModel:
+    def _join_torchrun(cls, path, cfg, tokenizer, base: dict, dist, created: bool, gpus: int, placement,
+                       blocks_per_rank, progress: bool) -> MoEModel:
         from moe.workers.rank import load_shard
 
         if gpus not in (1, dist.world_size):
@@ -146,14 +149,9 @@ class MoEModel:
                          dist.device.type)
         baseline = peak_memory_mib(dist.device)
         engine, stats = load_shard(spec, dist)
-        engine.owns_group = True
-        mine = (stats["load_seconds"], stats["bytes_read"], stats["files_read"], os.getpid(), baseline,
-                peak_memory_mib(dist.device))
-        per_rank = list(zip(*dist.all_gather_object(mine), strict=True))
-        info = ModelInfo(**base, ranks=dist.world_size, backend=dist.backend, launch="torchrun", rank=dist.rank,
-                         placement=plan, load_seconds=list(per_rank[0]), bytes_read=list(per_rank[1]),
-                         files_read=list(per_rank[2]), pids=list(per_rank[3]), baseline_mib=list(per_rank[4]),
-                         loaded_peak_mib=list(per_rank[5]))
+        engine.owns_group = created  # a group another model of this job made stays for that model
+        reports = dist.all_gather_object(load_report(engine.model, stats, baseline, dist.device, dist.backend))
+        info = ModelInfo.from_reports(base, reports, launch="torchrun", rank=dist.rank, placement=plan)
         return cls(engine, cfg, tokenizer, info)
 
     @property
@@ -213,7 +211,7 @@ class MoEModel:
             on_token = streamer
         with self._lock:
             if seed is None:
-                params = SamplingParams(max_new_tokens, temperature, top_p, top_k, self.engine.random_seed())
+                params = dataclasses.replace(params, seed=self.engine.random_seed())
             result = self.engine.generate(ids, params, eos, self.config.max_seq_len, on_token)
         self.last_result = result
         if not is_text:

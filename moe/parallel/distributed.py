@@ -135,15 +135,16 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def from_torchrun(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext | None:
+def from_torchrun(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[DistContext, bool] | None:
     """Join the group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT), if
-    any; reuse the group when this process has joined it already (a second model in the same job)."""
+    any: (its context, whether this call created the group). A process that joined already (a second model in
+    the same job) reuses its group."""
     if not under_torchrun():
         return None
     rank, world_size, local_rank, local_world = torchrun_layout(os.environ)
     if dist.is_initialized():
         backend = dist.get_backend()
-        return DistContext(rank, world_size, _bind("cuda" if backend == "nccl" else "cpu", local_rank), backend)
+        return DistContext(rank, world_size, _bind("cuda" if backend == "nccl" else "cpu", local_rank), backend), False
     kind = resolve_device(device, local_world)
     timeout = datetime.timedelta(seconds=timeout_s)
     store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
@@ -151,7 +152,7 @@ def from_torchrun(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) ->
     bound = _bind(kind, local_rank)
     dist.init_process_group(backend_for(kind), store=store, rank=rank, world_size=world_size, timeout=timeout,
                             device_id=bound if kind == "cuda" else None)
-    return DistContext(rank, world_size, bound, backend_for(kind))
+    return DistContext(rank, world_size, bound, backend_for(kind)), True
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -62,6 +62,15 @@ def load_shard(spec: ShardSpec, dist: DistContext) -> tuple[ShardedEngine, dict]
     return engine_type(model, placement, dist, torch_dtype), stats
 
 
+def load_report(model: torch.nn.Module, stats: dict, baseline_mib: float, device: torch.device,
+                backend: str) -> dict:
+    """What a rank says once it holds its share; the same keys whether it is a rank process, a torchrun
+    process or the only process (`moe.api.ModelInfo.from_reports`)."""
+    return {"pid": os.getpid(), "params": sorted(name for name, _ in model.named_parameters()),  # not state_dict():
+            **stats, "baseline_mib": baseline_mib, "loaded_peak_mib": peak_memory_mib(device),  # it unpacks weights
+            "backend": backend}
+
+
 def cpu_share(rank: int, world_size: int) -> set[int]:
     """The cores a CPU rank keeps to: an equal slice, or one core round-robin when ranks outnumber cores.
     Pinned ranks stop migrating between cores, which makes gloo's collectives cheaper when they share."""
@@ -81,10 +90,7 @@ def worker_main(conn, rank: int, world_size: int, port: int, threads: int, spec:
             os.sched_setaffinity(0, share)  # not when asked for more threads than cores: they would spin-wait
         baseline = peak_memory_mib(dist.device)  # the process before any weight is read
         engine, stats = load_shard(spec, dist)
-        names = sorted(name for name, _ in engine.model.named_parameters())  # not state_dict(): it unpacks weights
-        conn.send(("ok", READY, {"rank": rank, "params": names, **stats,
-                                 "baseline_mib": baseline, "loaded_peak_mib": peak_memory_mib(dist.device),
-                                 "device": str(dist.device), "backend": dist.backend}))
+        conn.send(("ok", READY, load_report(engine.model, stats, baseline, dist.device, dist.backend)))
         serve(engine, conn)
     except BaseException as e:  # report, then exit: the parent stops the other ranks
         kind = "user" if isinstance(e, USER_ERRORS) else "fault"
