@@ -10,6 +10,7 @@ import importlib
 import os
 import signal
 import sys
+import traceback
 from multiprocessing.connection import Connection
 
 from moe.workers.spawn import Channel
@@ -40,7 +41,19 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Channel(Connection(fd))
     target, args = conn.recv()
-    resolve(target)(conn, *args)
+    try:
+        resolve(target)(conn, *args)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    else:
+        code = 0
+    # Leave without the interpreter's teardown: torch's and gloo's threads may still be winding down, and
+    # tearing the runtime down under them can abort the process ("terminate called without an active
+    # exception") after its work succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -101,7 +101,6 @@ def worker_main(conn, rank: int, world_size: int, port: int, threads: int, spec:
             pass
         sys.stderr.flush()
         os._exit(1)
-    os._exit(0)
 
 
 class Heartbeat:
