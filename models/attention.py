@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models import weights
 from models.basic import Linear
 from models.config import ModelConfig
 
@@ -127,12 +128,28 @@ class Attention(nn.Module):
         self.wk = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim)
         self.wv = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim)
         self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.dim)
+        self.wqkv: weights.LinearWeight | None = None  # inference: q, k and v in one product
+
+    def prepare_weights(self, kernels: str, int8: bool) -> None:
+        """Fuse q/k/v into one weight; wq/wk/wv stay as parts of it (for `state_dict`)."""
+        if self.wqkv is None and not self.wq.weight.is_meta:
+            linears = (self.wq, self.wk, self.wv)
+            self.wqkv, parts = weights.fused([lin.weight for lin in linears], kernels, int8)
+            for lin, part in zip(linears, parts, strict=True):
+                lin.kernel, lin.weight = part, weights.shape_only(lin.weight)
+
+    def project_qkv(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.wqkv is None:
+            return self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return self.wqkv(x_BSD).split((q_size, kv_size, kv_size), dim=-1)
 
     def forward(self, x_BSD: torch.Tensor, ctx: AttentionContext, cache: KVCache | None) -> torch.Tensor:
         B, S, _ = x_BSD.shape
-        q = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, S, Dh]
-        k = self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, G, S, Dh]
-        v = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.project_qkv(x_BSD)
+        q = q.view(B, S, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, S, Dh]
+        k = k.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, G, S, Dh]
+        v = v.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(torch.cat((q, k), dim=1), ctx.cos, ctx.sin).split((self.n_heads, self.n_kv_heads), dim=1)
         if cache is not None:
             k, v = cache.update(ctx.start, k, v)  # [B, G, start+S, Dh]

@@ -11,35 +11,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import cpu_kernels
+from models import weights
 
 
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self.packed: torch.Tensor | None = None  # oneDNN layout for CPU inference (models.cpu_kernels)
+        self.kernel: weights.LinearWeight | None = None  # the weight in its inference format (models.weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return cpu_kernels.linear(x, self.packed)
+        if self.kernel is not None:
+            return self.kernel(x)
         return F.linear(x, self.weight)
 
-    def pack_weights(self) -> bool:
-        """For CPU inference: keep the weight in oneDNN's layout only; `weight` keeps just its shape."""
-        if self.packed is not None or not cpu_kernels.can_pack(self.weight):
-            return False
-        self.packed = cpu_kernels.pack(self.weight)
-        self.weight = cpu_kernels.shape_only(self.weight)
-        return True
+    def prepare_weights(self, kernels: str, int8: bool) -> None:
+        """For inference: keep the weight only in its fastest format; `weight` keeps just its shape."""
+        if self.kernel is None and not self.weight.is_meta:  # not converted yet, nor fused into a parent's
+            self.kernel = weights.make(self.weight, kernels, int8)
+            self.weight = weights.shape_only(self.weight)
 
     def dense(self, name: str) -> torch.Tensor:
-        """Parameter `name` as a dense tensor (unpacked if packed)."""
-        return cpu_kernels.unpack(self.packed) if self.packed is not None else getattr(self, name).detach()
+        """Parameter `name` as a plain tensor (converted back if converted)."""
+        return self.kernel.dense() if self.kernel is not None else getattr(self, name).detach()
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.packed is not None:
+        if self.kernel is not None:
             destination[prefix + "weight"] = self.dense("weight")
 
 

@@ -17,7 +17,6 @@ sizes per power of two (at most 12.5% more rows, zeros, whose results are droppe
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 KERNELS = ("onednn", "torch")  # choices for MoEModel.from_pretrained(cpu_kernels=...)
 
@@ -59,16 +58,3 @@ def row_bucket(rows: int) -> int:
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
     return packed.to_dense()
-
-
-def shape_only(weight: torch.Tensor) -> nn.Parameter:
-    """What stays of a packed parameter: its name, shape and dtype (on the meta device, no memory)."""
-    return nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
-
-
-def pack_weights(model: nn.Module) -> None:
-    """Pack every packable weight of an inference model (modules with `pack_weights()`). `state_dict()`
-    still gives dense tensors, so saving works unchanged."""
-    for module in model.modules():
-        if hasattr(module, "pack_weights"):
-            module.pack_weights()

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import cpu_kernels
+from models import weights
 from models.config import ModelConfig
 
 
@@ -65,63 +65,69 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(n, hidden_dim, dim))
-        # Per stacked expert, (w1, w2, w3) in oneDNN's layout for CPU inference (models.cpu_kernels).
-        self.packed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        # Inference: per stacked expert, (w1 and w3 fused, w2) in their fastest format (models.weights).
+        self.kernels: list[tuple[weights.LinearWeight, weights.LinearWeight]] | None = None
 
     def forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor | list[int]) -> torch.Tensor:
         """x_ND holds counts_El[0] copies for stacked expert 0, then counts_El[1] for expert 1, ...
         A dispatcher that already read the counts on the host passes them as a list."""
         # One host sync per layer (none if the dispatcher read them): the counts decide which experts run.
         counts = counts_El.tolist() if isinstance(counts_El, torch.Tensor) else counts_El
-        if self.packed is not None:
-            weights, linear = self.packed, cpu_kernels.linear
-        elif torch.is_grad_enabled() and self.w1.requires_grad:
-            # unbind: one view per expert, whose backward stacks the gradients once (indexing would zero-fill)
-            weights, linear = list(zip(self.w1.unbind(0), self.w2.unbind(0), self.w3.unbind(0), strict=True)), F.linear
-        else:
-            weights, linear = None, F.linear  # index only the experts that run
+        training = torch.is_grad_enabled() and self.w1.requires_grad
+        # unbind: one view per expert, whose backward stacks the gradients once (indexing would zero-fill)
+        stacks = list(zip(self.w1.unbind(0), self.w2.unbind(0), self.w3.unbind(0), strict=True)) if training else None
         outs, start = [], 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue  # an expert that got no token does not run
-            w1, w2, w3 = weights[e] if weights is not None else (self.w1[e], self.w2[e], self.w3[e])
-            outs.append(swiglu(x_ND[start:start + n], w1, w2, w3, linear))
+            x = x_ND[start:start + n]
+            if self.kernels is not None:
+                outs.append(fused_swiglu(x, *self.kernels[e]))
+            else:  # index only the experts that run
+                outs.append(swiglu(x, *(stacks[e] if stacks else (self.w1[e], self.w2[e], self.w3[e]))))
             start += n
         # Concatenating (not writing into slices of a buffer) keeps the backward pass free of zero-filled copies.
         return torch.cat(outs) if outs else x_ND.new_empty((0, self.w2.shape[1]))
 
-    def pack_weights(self) -> bool:
-        """For CPU inference: keep each expert's weights in oneDNN's layout only; w1/w2/w3 keep just shapes."""
-        if self.packed is not None or not cpu_kernels.can_pack(self.w1):
-            return False
-        by_stack = []
-        for name in ("w1", "w2", "w3"):  # one stack at a time, so only one extra stack is ever held
-            stack = getattr(self, name)
-            by_stack.append([cpu_kernels.pack(w) for w in stack])
-            setattr(self, name, cpu_kernels.shape_only(stack))
-        self.packed = list(zip(*by_stack, strict=True))
-        return True
+    def prepare_weights(self, kernels: str, int8: bool) -> None:
+        """For inference: each expert's w1/w3 fused and w2, in their fastest format; the stacks keep shapes."""
+        if self.kernels is not None or self.w1.is_meta:
+            return
+        self.kernels = [(weights.fused([self.w1[e], self.w3[e]], kernels, int8)[0],
+                         weights.make(self.w2[e], kernels, int8)) for e in range(len(self.expert_ids))]
+        for name in ("w1", "w2", "w3"):
+            setattr(self, name, weights.shape_only(getattr(self, name)))
 
     def dense(self, name: str) -> torch.Tensor:
-        """Stacked weight `name` ("w1", "w2", "w3") as a dense tensor (unpacked if packed)."""
-        if self.packed is None:
+        """Stacked weight `name` ("w1", "w2", "w3") as a plain tensor (converted back if converted)."""
+        if self.kernels is None:
             return getattr(self, name).detach()
-        i = ("w1", "w2", "w3").index(name)
-        return torch.stack([cpu_kernels.unpack(p[i]) for p in self.packed])
+        hidden = self.w1.shape[1]
+        if name == "w2":
+            return torch.stack([w2.dense() for _, w2 in self.kernels])
+        rows = slice(0, hidden) if name == "w1" else slice(hidden, 2 * hidden)
+        return torch.stack([w13.dense()[rows] for w13, _ in self.kernels])
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.packed is not None:
+        if self.kernels is not None:
             for name in ("w1", "w2", "w3"):
                 destination[prefix + name] = self.dense(name)
 
 
-def swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, linear=F.linear) -> torch.Tensor:
+def fused_swiglu(x: torch.Tensor, w13: weights.LinearWeight, w2: weights.LinearWeight) -> torch.Tensor:
+    """swiglu with w1 and w3 stacked in one weight: one product for both (inference only)."""
+    h = w13(x)
+    hidden = h.shape[-1] // 2
+    return w2(F.silu(h[:, :hidden]).mul_(h[:, hidden:]))
+
+
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
     """(silu(x w1^T) * x w3^T) w2^T; without autograd the activation is computed in place (fewer temporaries)."""
-    h = linear(x, w1)
+    h = F.linear(x, w1)
     if torch.is_grad_enabled() and (x.requires_grad or h.requires_grad):
-        return linear(F.silu(h) * linear(x, w3), w2)
-    return linear(F.silu(h, inplace=True).mul_(linear(x, w3)), w2)
+        return F.linear(F.silu(h) * F.linear(x, w3), w2)
+    return F.linear(F.silu(h, inplace=True).mul_(F.linear(x, w3)), w2)
 
 
 @dataclass

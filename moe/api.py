@@ -19,7 +19,7 @@ import torch
 from models.config import ModelConfig
 from models.cpu_kernels import KERNELS
 from moe.checkpoint.formats import detect
-from moe.checkpoint.loader import parse_dtype
+from moe.checkpoint.loader import INT8, activation_dtype, parse_precision
 from moe.engine.base import Engine
 from moe.engine.build import build_model
 from moe.engine.local import LocalEngine
@@ -39,7 +39,7 @@ class ModelInfo:
     """What was loaded, and where it runs."""
 
     format: str  # "hf" or "mistral"
-    dtype: str  # "float32", "bfloat16", "float16"
+    dtype: str  # "float32", "bfloat16", "float16", "int8" (int8 weights, bf16 activations)
     cpu_kernels: str
     ranks: int
     backend: str  # "none" (one process), "gloo" or "nccl"
@@ -99,7 +99,7 @@ class MoEModel:
         cfg = ckpt.config
         tok_path = Path(path) / "tokenizer.model"
         tokenizer = Tokenizer(tok_path) if tok_path.exists() else None
-        dtype_name = str(parse_dtype(dtype, ckpt.torch_dtype)).removeprefix("torch.")
+        dtype_name = parse_precision(dtype, ckpt.torch_dtype)
         if not isinstance(gpus, int) or gpus < 1:
             raise ValueError(f"gpus must be a positive integer, got {gpus!r}")
         if cpu_kernels not in KERNELS:
@@ -122,7 +122,7 @@ class MoEModel:
     def _load_here(cls, path, cfg, tokenizer, base: dict, device: str, progress: bool) -> MoEModel:
         baseline = peak_memory_mib(device)
         model, _, stats = build_model(path, base["dtype"], device, progress=Progress.for_loading(progress),
-                                      pack=base["cpu_kernels"] == "onednn")
+                                      kernels=base["cpu_kernels"])
         report = load_report(model, stats, baseline, torch.device(device), "none")
         return cls(LocalEngine(model), cfg, tokenizer, ModelInfo.from_reports(base, [report], launch="local"))
 
@@ -220,7 +220,7 @@ class MoEModel:
 
     def _check_kv_cache(self, batch: int, length: int) -> None:
         """Refuse, before any memory is taken, a request whose KV cache cannot fit where it would live."""
-        cfg, itemsize = self.config, getattr(torch, self.info.dtype).itemsize
+        cfg, itemsize = self.config, activation_dtype(self.info.dtype).itemsize
         need = batch * length * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * itemsize
         device = getattr(self.engine, "device", torch.device("cpu")) if self.info.launch == "local" else None
         if device is not None and device.type == "cuda":
@@ -242,6 +242,9 @@ class MoEModel:
         from moe.checkpoint.convert import parse_size
         from moe.checkpoint.writer import refuse_non_empty
 
+        if self.info.dtype == INT8:
+            raise ValueError("an int8 model cannot be saved: its weights are quantized at load and would not load "
+                             "back bit-exactly; save the checkpoint it was loaded from (in bf16 or fp32) instead")
         path = Path(path)
         refuse_non_empty(path)  # here, before the ranks start writing: a user error must not stop them
         size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from models import cpu_kernels
+from models import cpu_kernels, weights
 from models.basic import Linear
 from models.mixture import GroupedExperts
 from moe import MoEModel
@@ -35,7 +35,10 @@ def test_packed_linear_matches_dense_and_unpacks_exactly(dtype):
     g = torch.Generator().manual_seed(2)
     xs = [torch.randn(rows, 64, generator=g).to(dtype) for rows in (1, 7, 130)]  # 130: padded to 144 rows
     dense = [F.linear(x, weight) for x in xs]
-    assert lin.pack_weights() and not lin.pack_weights()  # packs once
+    lin.prepare_weights("onednn", int8=False)
+    packed = lin.kernel
+    lin.prepare_weights("onednn", int8=False)
+    assert isinstance(packed, weights.OneDNN) and lin.kernel is packed  # converts once
     assert lin.weight.is_meta and lin.weight.shape == (96, 64) and lin.weight.dtype == dtype  # no memory left
     for x, want in zip(xs, dense, strict=True):
         got = lin(x)
@@ -61,7 +64,8 @@ def test_packed_experts_match_and_save_dense_stacks():
     counts = torch.tensor([2, 0, 5])  # the middle expert gets no row and does not run
     want = experts(x, counts)
     state = {k: v.clone() for k, v in experts.state_dict().items()}
-    assert experts.pack_weights()
+    experts.prepare_weights("onednn", int8=False)
+    assert all(isinstance(w, weights.OneDNN) for pair in experts.kernels for w in pair)
     assert all(p.is_meta for p in experts.parameters())
     assert torch.allclose(experts(x, counts), want, rtol=1e-5, atol=1e-5)
     assert experts.state_dict().keys() == state.keys()
@@ -74,7 +78,11 @@ def test_onednn_and_torch_kernels_give_the_same_answer_and_save_the_same_weights
     plain = MoEModel.from_pretrained(TRAINED, cpu_kernels="torch")
     packed = MoEModel.from_pretrained(TRAINED)  # the default
     assert packed.info.cpu_kernels == "onednn"
-    assert all(m.packed is not None for m in packed.engine.model.modules() if isinstance(m, Linear | GroupedExperts))
+    converted = [m for m in packed.engine.model.modules() if isinstance(m, Linear | GroupedExperts)]
+    assert all(isinstance(m.kernel.whole if isinstance(m.kernel, weights.Part) else m.kernel, weights.OneDNN)
+               for m in converted if isinstance(m, Linear))
+    assert all(isinstance(w, weights.OneDNN) for m in converted if isinstance(m, GroupedExperts)
+               for pair in m.kernels for w in pair)
     assert (packed(ids) - plain(ids)).abs().max().item() < 1e-4
     assert packed.generate(prompts, max_new_tokens=24, ignore_eos=True) == plain.generate(
         prompts, max_new_tokens=24, ignore_eos=True)

@@ -31,6 +31,9 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
+INT8 = "int8"  # int8 weights (models.weights.Int8), bf16 activations; only for inference
+
+
 def parse_dtype(dtype: str | torch.dtype | None, default: str | None = None) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -38,6 +41,21 @@ def parse_dtype(dtype: str | torch.dtype | None, default: str | None = None) -> 
     if name not in DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; choose one of float32, bfloat16, float16")
     return DTYPES[name]
+
+
+def parse_precision(dtype: str | torch.dtype | None, default: str | None = None) -> str:
+    """An inference model's precision by name: "float32", "bfloat16", "float16" or "int8"."""
+    if dtype == INT8:
+        return INT8
+    try:
+        return str(parse_dtype(dtype, default)).removeprefix("torch.")
+    except ValueError:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of float32, bfloat16, float16, int8") from None
+
+
+def activation_dtype(precision: str) -> torch.dtype:
+    """The dtype activations (and embeddings, norms, routers, KV caches) have at this precision."""
+    return torch.bfloat16 if precision == INT8 else DTYPES[precision]
 
 
 def check_names_and_shapes(ckpt: CheckpointFormat, full_shapes: dict[str, torch.Size],

@@ -7,20 +7,24 @@ from pathlib import Path
 
 import torch
 
-from models.cpu_kernels import pack_weights
+from models import weights
 from models.transformer import Transformer
 from moe.checkpoint.formats import CheckpointFormat, detect
-from moe.checkpoint.loader import load_into, parse_dtype
+from moe.checkpoint.loader import INT8, activation_dtype, load_into, parse_dtype
 from moe.progress import Progress
 
 
 def build_model(directory: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu",
                 prune: Callable[[Transformer], None] | None = None,
                 progress: Progress | None = None,
-                pack: bool = False) -> tuple[Transformer, CheckpointFormat, dict]:
-    """`pack`: an inference model on CPU keeps its linear weights in oneDNN's layout (models.cpu_kernels)."""
+                kernels: str | None = None) -> tuple[Transformer, CheckpointFormat, dict]:
+    """`kernels` ("onednn" or "torch"; see `models.weights`): an inference model, its linear weights converted
+    to their fastest format after loading; `dtype="int8"` (inference only) quantizes them."""
     ckpt = detect(directory)
-    torch_dtype = parse_dtype(dtype, ckpt.torch_dtype)
+    int8 = dtype == INT8
+    if int8 and kernels is None:
+        raise ValueError("dtype='int8' is for inference only (a model built for training keeps float weights)")
+    torch_dtype = activation_dtype(INT8) if int8 else parse_dtype(dtype, ckpt.torch_dtype)
     with torch.device("meta"):
         model = Transformer(ckpt.config)
     full_shapes = {k: v.shape for k, v in model.state_dict().items()}
@@ -29,8 +33,8 @@ def build_model(directory: str | Path, dtype: str | torch.dtype | None = None, d
     stats = load_into(model, ckpt, directory, full_shapes, torch_dtype, device, progress)
     materialize_buffers(model, device)
     model.eval().requires_grad_(False)
-    if pack:
-        pack_weights(model)
+    if kernels is not None:
+        weights.prepare(model, kernels, int8)
     return model, ckpt, stats
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe.checkpoint.loader import activation_dtype
 from moe.engine.base import ENGINE_CALLS
 from moe.engine.build import build_model
 from moe.engine.replicated import ReplicatedAttentionEngine
@@ -35,7 +36,7 @@ HEARTBEAT_S = 2.0  # a rank busy with a request says so this often
 @dataclass(frozen=True)
 class ShardSpec:
     path: str
-    dtype: str  # resolved by the parent: "float32", "bfloat16", "float16"
+    dtype: str  # resolved by the parent: "float32", "bfloat16", "float16", "int8"
     placement: dict  # Placement.to_json(), already validated by the parent
     progress: bool = False  # rank 0 shows checkpoint reading progress
     attention: str = "owner"  # "owner": layer placement; "replicated": every rank attends for its batch slice
@@ -51,13 +52,13 @@ class ShardSpec:
 def load_shard(spec: ShardSpec, dist: DistContext) -> tuple[ShardedEngine, dict]:
     """Build this rank's share of the model and the engine that runs it."""
     placement = Placement.from_json(spec.placement)
-    torch_dtype = getattr(torch, spec.dtype)
+    torch_dtype = activation_dtype(spec.dtype)
     replicated = spec.attention == "replicated"  # every rank keeps the dense weights; only experts are placed
     prune = apply_expert_placement if replicated else apply_placement
     engine_type = ReplicatedAttentionEngine if replicated else ShardedEngine
     progress = Progress.for_loading(enabled=spec.progress and dist.rank == 0)
-    model, _, stats = build_model(spec.path, torch_dtype, dist.device, progress=progress,
-                                  prune=lambda m: prune(m, placement, dist.rank), pack=spec.cpu_kernels == "onednn")
+    model, _, stats = build_model(spec.path, spec.dtype, dist.device, progress=progress,
+                                  prune=lambda m: prune(m, placement, dist.rank), kernels=spec.cpu_kernels)
     use_all_to_all(model, placement, dist)
     return engine_type(model, placement, dist, torch_dtype), stats
 

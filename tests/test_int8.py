@@ -1,0 +1,109 @@
+"""The int8 weight-only mode: per-channel quantization, its products, and what it does to the trained model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models import weights
+from moe import MoEModel
+from moe.evaluation import score_text
+from tests.checkpoints import TRAINED
+from tests.test_trained_model import HELD_OUT
+
+# The README's prompt and another. (On "And God said," greedy bf16 already leaves fp32 at the second token: a
+# near tie that any rounding decides, so it cannot show anything about int8.)
+PROMPTS = ["It is a truth universally acknowledged, that", "Emma Woodhouse, handsome, clever,"]
+
+
+def test_quantization_is_per_output_channel_and_within_half_a_step():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 64, generator=g) * torch.logspace(-3, 0, 48)[:, None]  # rows of very different scales
+    q, scale = weights.quantize(w)
+    assert q.dtype == torch.int8 and scale.shape == (48,)
+    assert q.abs().amax(dim=1).eq(127).all()  # every row uses its full range
+    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-12).all()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9, 130])  # the int8 kernel (<= 4 rows) and the dequantizing path
+@torch.inference_mode()
+def test_int8_products_match_the_dequantized_weight(rows):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 64, generator=g).bfloat16()
+    x = torch.randn(rows, 64, generator=g).bfloat16()
+    int8 = weights.Int8(w)
+    want = F.linear(x.float(), int8.q.float() * int8.scale.float()[:, None])
+    got = int8(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+    # bf16 rounding (of the result; on the dequantizing path also of the weight): within 2% of the largest output
+    assert (got.float() - want).abs().max().item() <= 0.02 * want.abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def bf16_and_int8():
+    with MoEModel.from_pretrained(TRAINED, dtype="bfloat16") as bf16, MoEModel.from_pretrained(TRAINED,
+                                                                                               dtype="int8") as int8:
+        yield bf16, int8
+
+
+def test_int8_bits_per_byte_within_one_percent_of_bf16(bf16_and_int8):
+    bf16, int8 = bf16_and_int8
+    assert int8.info.dtype == "int8"
+    scores = [score_text(m, [HELD_OUT * 4], m.tokenizer, seq_len=128) for m in (bf16, int8)]
+    bpb16, bpb8 = (s.bits_per_byte for s in scores)
+    assert abs(bpb8 - bpb16) / bpb16 < 0.01, (bpb16, bpb8)
+
+
+def test_int8_greedy_tokens_and_logits_follow_the_float_model(bf16_and_int8):
+    bf16, int8 = bf16_and_int8
+    with MoEModel.from_pretrained(TRAINED) as fp32:  # the checkpoint's own precision
+        assert int8.generate(PROMPTS, max_new_tokens=32) == fp32.generate(PROMPTS, max_new_tokens=32)
+    ids = torch.tensor([int8.tokenizer.encode(HELD_OUT)[:64]])
+    a, b = bf16(ids).float(), int8(ids).float()
+    # Logits of this model span about +-15; int8 weights move a position's logits by 0.1-0.45 (bf16 against
+    # fp32: 0.06-0.26), except where a token's choice of experts flips (int8 here: 2 positions of 64, by 2-6).
+    err = (a - b).abs().amax(-1)[0]
+    assert err.median().item() < 0.3 and (err < 0.5).float().mean().item() > 0.9, err
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() > 0.95
+
+
+def test_int8_weights_take_about_half_the_memory_of_bf16(bf16_and_int8):
+    def linear_bytes(model: MoEModel) -> int:
+        held = {}
+        for module in model.engine.model.modules():
+            for w in [getattr(module, "kernel", None), getattr(module, "wqkv", None),
+                      *[x for pair in (getattr(module, "kernels", None) or []) for x in pair]]:
+                if isinstance(w, weights.Int8):
+                    held[id(w)] = w.q.nbytes + w.scale.nbytes
+                elif isinstance(w, weights.OneDNN | weights.Dense):
+                    held[id(w)] = w.dense().nbytes
+        return sum(held.values())
+
+    bf16, int8 = bf16_and_int8
+    ratio = linear_bytes(int8) / linear_bytes(bf16)
+    assert 0.45 < ratio < 0.55, ratio
+
+
+def test_int8_on_two_ranks_matches_one(bf16_and_int8):
+    _, one = bf16_and_int8
+    ids = torch.tensor([one.tokenizer.encode(HELD_OUT)[:48]])
+    with MoEModel.from_pretrained(TRAINED, dtype="int8", gpus=2) as two:
+        assert two.info.dtype == "int8"
+        assert two.generate(PROMPTS, max_new_tokens=32) == one.generate(PROMPTS, max_new_tokens=32)
+        assert (two(ids).float() - one(ids).float()).abs().max().item() < 0.1  # bf16 activations: sums' order
+
+
+def test_int8_models_refuse_to_save_and_stay_usable(bf16_and_int8, tmp_path):
+    _, int8 = bf16_and_int8
+    with pytest.raises(ValueError, match="int8 model cannot be saved"):
+        int8.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert int8.generate(PROMPTS[:1], max_new_tokens=4)
+
+
+def test_int8_is_refused_for_training():
+    from moe.engine.build import build_model
+
+    with pytest.raises(ValueError, match="inference only"):
+        build_model(TRAINED, "int8")
