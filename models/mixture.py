@@ -67,10 +67,16 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n, hidden_dim, dim))
         # Inference: per stacked expert, (w1 and w3 fused, w2) in their fastest format (models.weights).
         self.kernels: list[tuple[weights.LinearWeight, weights.LinearWeight]] | None = None
+        # Dense inference weights also stay stacked, w13 [El, 2F, D] and w2 [El, D, F], for grouped products with
+        # the offsets on the device (no host read); used when `offsets_on_device` (bf16 on CUDA: never run there).
+        self.stacks: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.offsets_on_device = False
 
     def forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor | list[int]) -> torch.Tensor:
         """x_ND holds counts_El[0] copies for stacked expert 0, then counts_El[1] for expert 1, ...
         A dispatcher that already read the counts on the host passes them as a list."""
+        if self.offsets_on_device and self.stacks is not None and isinstance(counts_El, torch.Tensor):
+            return self.grouped(x_ND, counts_El)
         # One host sync per layer (none if the dispatcher read them): the counts decide which experts run.
         counts = counts_El.tolist() if isinstance(counts_El, torch.Tensor) else counts_El
         training = torch.is_grad_enabled() and self.w1.requires_grad
@@ -93,10 +99,25 @@ class GroupedExperts(nn.Module):
         """For inference: each expert's w1/w3 fused and w2, in their fastest format; the stacks keep shapes."""
         if self.kernels is not None or self.w1.is_meta:
             return
-        self.kernels = [(weights.fused([self.w1[e], self.w3[e]], kernels, int8)[0],
-                         weights.make(self.w2[e], kernels, int8)) for e in range(len(self.expert_ids))]
+        fmt = weights.format_for(self.w1, kernels, int8)
+        w13, w2 = torch.cat([self.w1.detach(), self.w3.detach()], dim=1), self.w2.detach()  # [El, 2F, D]
+        self.kernels = [(fmt(w13[e]), fmt(w2[e])) for e in range(len(self.expert_ids))]  # Dense: views of the stacks
+        if fmt is weights.Dense:
+            self.stacks = (w13, w2)
+            self.offsets_on_device = w13.device.type == "cuda" and w13.dtype == torch.bfloat16  # _grouped_mm's case
         for name in ("w1", "w2", "w3"):
             setattr(self, name, weights.shape_only(getattr(self, name)))
+
+    def grouped(self, x_ND: torch.Tensor, counts_El: torch.Tensor) -> torch.Tensor:
+        """All local experts in two grouped products whose group offsets stay on the device. Rows past the
+        last offset (copies for no expert here, sorted last by the gathering dispatcher) come out as zeros."""
+        w13, w2 = self.stacks
+        offsets = counts_El.cumsum(0).to(torch.int32)
+        h = torch._grouped_mm(x_ND, w13.transpose(1, 2), offs=offsets)
+        hidden = w2.shape[2]
+        y = torch._grouped_mm(F.silu(h[:, :hidden]) * h[:, hidden:], w2.transpose(1, 2), offs=offsets)
+        computed = torch.arange(x_ND.shape[0], device=x_ND.device) < offsets[-1]
+        return torch.where(computed[:, None], y, 0)  # rows _grouped_mm did not write hold whatever memory held
 
     def dense(self, name: str) -> torch.Tensor:
         """Stacked weight `name` ("w1", "w2", "w3") as a plain tensor (converted back if converted)."""

@@ -104,13 +104,17 @@ class Part(LinearWeight):
         return self.whole.dense()[self.start:self.stop]
 
 
-def make(weight: torch.Tensor, kernels: str, int8: bool) -> LinearWeight:
+def format_for(weight: torch.Tensor, kernels: str, int8: bool) -> type[LinearWeight]:
     """The fastest format for this weight: int8 when asked, oneDNN on a CPU that runs its dtype, else dense."""
     if int8:
-        return Int8(weight)
+        return Int8
     if kernels == "onednn" and cpu_kernels.can_pack(weight):
-        return OneDNN(weight)
-    return Dense(weight)
+        return OneDNN
+    return Dense
+
+
+def make(weight: torch.Tensor, kernels: str, int8: bool) -> LinearWeight:
+    return format_for(weight, kernels, int8)(weight)
 
 
 def fused(weights: list[torch.Tensor], kernels: str, int8: bool) -> tuple[LinearWeight, list[Part]]:

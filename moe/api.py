@@ -27,6 +27,7 @@ from moe.generation import SamplingParams, check_prompts
 from moe.memory import MemoryUse, available_mib, peak_memory_mib
 from moe.parallel.devices import ranks_device
 from moe.parallel.distributed import DEFAULT_TIMEOUT_S, from_torchrun
+from moe.parallel.gather import EXCHANGES
 from moe.parallel.placement import Placement, resolve_placement
 from moe.progress import Progress
 from moe.reports.expert_load import ExpertLoadReport
@@ -47,6 +48,7 @@ class ModelInfo:
     rank: int = 0  # this process's rank: 0 unless under torchrun
     placement: Placement | None = None
     attention: str = "owner"
+    exchange: str = "auto"  # how token copies reach experts on N ranks (moe.parallel.gather)
     load_seconds: list[float] = field(default_factory=list)  # per rank, reading its tensors
     bytes_read: list[int] = field(default_factory=list)  # per rank
     files_read: list[list[str]] = field(default_factory=list)  # per rank
@@ -77,7 +79,8 @@ class MoEModel:
                         gpus: int = 1, placement: Placement | str | Path | dict | None = None,
                         blocks_per_rank: list[int] | None = None, master_port: int | None = None,
                         threads: int | None = None, progress: bool = False, attention: str = "owner",
-                        cpu_kernels: str = "onednn", timeout_s: float = DEFAULT_TIMEOUT_S) -> MoEModel:
+                        cpu_kernels: str = "onednn", timeout_s: float = DEFAULT_TIMEOUT_S,
+                        exchange: str = "auto") -> MoEModel:
         """Load a Hugging Face or Mistral consolidated directory.
 
         `device`: "auto" (CUDA when there is a GPU for every rank, CPU when there is none), "cuda", "cpu"
@@ -93,7 +96,10 @@ class MoEModel:
         `attention="replicated"` gives every rank the dense weights and its own slice of the batch (for
         throughput on batches); the experts stay placed. `cpu_kernels="onednn"` (on CPU, fp32/bf16) keeps
         linear weights in oneDNN's layout, about 2x faster than torch's default CPU products here; "torch"
-        keeps plain tensors and `F.linear`.
+        keeps plain tensors and `F.linear`. `dtype="int8"`: int8 weights quantized at load (per output
+        channel), bf16 activations. `exchange` (N ranks): "auto" gathers a step's few rows to every rank (two
+        collectives per block, no sizes on the host) for decode and exchanges them by all-to-all for prefill;
+        "gather" or "all-to-all" forces one.
         """
         ckpt = detect(path)
         cfg = ckpt.config
@@ -106,7 +112,9 @@ class MoEModel:
             raise ValueError(f"cpu_kernels={cpu_kernels!r}: use one of {', '.join(KERNELS)}")
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention={attention!r}: use one of {', '.join(ATTENTION_MODES)}")
-        base = dict(format=ckpt.fmt, dtype=dtype_name, cpu_kernels=cpu_kernels, attention=attention)
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange={exchange!r}: use one of {', '.join(EXCHANGES)}")
+        base = dict(format=ckpt.fmt, dtype=dtype_name, cpu_kernels=cpu_kernels, attention=attention, exchange=exchange)
         joined = from_torchrun(device, timeout_s)
         if joined is not None:
             return cls._join_torchrun(path, cfg, tokenizer, base, *joined, gpus, placement, blocks_per_rank, progress)
@@ -115,7 +123,8 @@ class MoEModel:
             return cls._load_here(path, cfg, tokenizer, base, device if device.startswith("cuda:") else kind,
                                   progress)
         plan = resolve_placement(placement, cfg.n_layers, cfg.n_experts, gpus, blocks_per_rank)
-        spec = ShardSpec(str(path), dtype_name, plan.to_json(), progress, attention, cpu_kernels, kind, timeout_s)
+        spec = ShardSpec(str(path), dtype_name, plan.to_json(), progress, attention, cpu_kernels, kind, timeout_s,
+                         exchange)
         return cls._start_ranks(spec, cfg, tokenizer, base, gpus, plan, master_port, threads)
 
     @classmethod
@@ -146,7 +155,7 @@ class MoEModel:
                              "leave gpus out")
         plan = resolve_placement(placement, cfg.n_layers, cfg.n_experts, dist.world_size, blocks_per_rank)
         spec = ShardSpec(str(path), base["dtype"], plan.to_json(), progress, base["attention"], base["cpu_kernels"],
-                         dist.device.type)
+                         dist.device.type, exchange=base["exchange"])
         baseline = peak_memory_mib(dist.device)
         engine, stats = load_shard(spec, dist)
         engine.owns_group = created  # a group another model of this job made stays for that model

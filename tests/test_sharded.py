@@ -61,6 +61,24 @@ def test_non_default_placement_gives_the_one_rank_answer(reference, tmp_path):
     check_same_as_one_rank(reference, gpus=3, placement=tmp_path / "plan.json")
 
 
+@pytest.mark.parametrize("exchange", ["gather", "all-to-all"])
+def test_both_exchanges_give_the_one_rank_answer_with_replicated_experts(reference, tmp_path, exchange):
+    """Forced either way for prefill and decode alike; every expert on two of three ranks, so the replica a copy
+    goes to is chosen by the rank that routed it and must be computed exactly once."""
+    cfg = SHAPES["5blocks-8experts"] if "5blocks" in str(reference[0]) else SHAPES["2blocks-6experts-tied"]
+    L, E = cfg.n_layers, cfg.n_experts
+    plan = Placement(3, 0, tuple(i % 3 for i in range(L)), 1,
+                     tuple(tuple(tuple(sorted({(e + i) % 3, (e + i + 1) % 3})) for e in range(E)) for i in range(L)))
+    plan.save(tmp_path / "plan.json")
+    model = check_same_as_one_rank(reference, gpus=3, placement=tmp_path / "plan.json", exchange=exchange)
+    assert model.info.exchange == exchange
+
+
+def test_gathered_decode_with_replicated_attention_and_an_idle_rank(reference):
+    # 3 prompts over 4 ranks: rank 3 has no sequence; it still brings its (empty) rows to every gather.
+    check_same_as_one_rank(reference, gpus=4, attention="replicated", exchange="gather")
+
+
 def test_each_rank_holds_only_its_tensors(reference):
     path = reference[0]
     cfg = MoEModel.from_pretrained(path).config

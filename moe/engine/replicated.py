@@ -36,6 +36,7 @@ class ReplicatedAttentionEngine(ShardedEngine):
         B, S = tokens_BS.shape
         rows = self.my_rows(B)
         device = self.dist.device
+        self.step.most = -(-B // self.dist.world_size) * S  # the largest slice's tokens
         if len(rows):
             local = self.model(tokens_BS[rows].to(device), start, caches, padding, last_only=last_only)
         else:

@@ -19,14 +19,17 @@ from moe.checkpoint.distributed_save import save_distributed
 from moe.generation import GenerationResult, SamplingParams, generate_tokens
 from moe.memory import MemoryUse
 from moe.parallel.distributed import DistContext
+from moe.parallel.gather import StepRows
 from moe.parallel.placement import Placement
 from moe.progress import Progress
 from moe.reports.counters import local_load_stats, reset_load_stats, set_round_robin, track_entropy
 
 
 class ShardedEngine:
-    def __init__(self, model: Transformer, placement: Placement, dist: DistContext, dtype: torch.dtype) -> None:
+    def __init__(self, model: Transformer, placement: Placement, dist: DistContext, dtype: torch.dtype,
+                 step: StepRows | None = None) -> None:
         self.model, self.placement, self.dist, self.dtype = model, placement, dist, dtype
+        self.step = step or StepRows()  # shared with every block's dispatcher (moe.parallel.gather)
         self.rank = dist.rank
         self.owns_group = False  # under torchrun the engine leaves the group on close()
         self.caches: dict[str, KVCache] = {}
@@ -97,6 +100,7 @@ class ShardedEngine:
         h = self.model.tok_embeddings(tokens_BS.to(device)) if self.rank == p.embed_rank else None
         ctx = AttentionContext.build(cfg, B, S, start, padding, device, self.dtype) if self.my_blocks else None
         rows = real_token_rows(padding, S, start, device)
+        self.step.most = B * S  # a block's owner brings at most every token; the others none
         holder = p.embed_rank
         for name, block in self.model.layers.items():
             owner = p.block_ranks[int(name)]
@@ -132,7 +136,7 @@ class ShardedEngine:
         counts, entropy = local_load_stats(self.model)
         received = torch.zeros(len(self.model.layers), self.dist.world_size, dtype=torch.float64)
         for i, block in enumerate(self.model.layers.values()):
-            received[i, self.rank] = block.feed_forward.dispatcher.received_rows
+            received[i, self.rank] = block.feed_forward.dispatcher.received
         packed = torch.cat([counts.double().reshape(-1), received.reshape(-1), entropy])
         packed = self.dist.all_reduce(packed.to(self.dist.device)).cpu()
         n = counts.numel()
@@ -142,7 +146,7 @@ class ShardedEngine:
     def reset_load_stats(self) -> None:
         reset_load_stats(self.model)
         for block in self.model.layers.values():
-            block.feed_forward.dispatcher.received_rows = 0
+            block.feed_forward.dispatcher.reset_received()
 
     def set_round_robin(self, enabled: bool) -> None:
         set_round_robin(self.model, enabled)

@@ -129,6 +129,14 @@ class AllToAllDispatcher:
         meta = Exchanged(token_N, weights_TK.reshape(-1)[order_N], x_TD.shape[0], sent_R, received_R, by_slot)
         return rows[by_slot], per_expert, meta
 
+    @property
+    def received(self) -> int:
+        """Copies this rank's experts computed (for measured load reports)."""
+        return self.received_rows
+
+    def reset_received(self) -> None:
+        self.received_rows = 0
+
     def combine(self, y_ND: torch.Tensor, meta: Exchanged) -> torch.Tensor:
         y_back = y_ND[torch.argsort(meta.by_slot_M)]  # back to (source, slot) order
         returned = exchange(y_back, meta.sent_R, meta.received_R, self.dist)  # [sent, D], in our send order

@@ -21,6 +21,11 @@ from moe.parallel.devices import agree_on_device, backend_for, resolve_device, t
 DEFAULT_TIMEOUT_S = 1800.0
 
 
+# Renamed in torch 2.13 (the old names warn there); older releases have only the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 @dataclass(frozen=True)
 class DistContext:
     rank: int
@@ -74,6 +79,24 @@ class DistContext:
             dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits)
         else:
             out.copy_(x)
+        return out
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's equally shaped `t`, concatenated along dim 0 in rank order, on every rank."""
+        if not self.distributed:
+            return t
+        self._on_device(t)
+        out = t.new_empty((self.world_size * t.shape[0], *t.shape[1:]))
+        _all_gather(out, t.contiguous())
+        return out
+
+    def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of `t` [world x rows, ...]: this rank's block of rows (rank x rows onwards)."""
+        if not self.distributed:
+            return t
+        self._on_device(t)
+        out = t.new_empty((t.shape[0] // self.world_size, *t.shape[1:]))
+        _reduce_scatter(out, t.contiguous())
         return out
 
     def gather(self, t: torch.Tensor, dst: int) -> list[torch.Tensor] | None:

@@ -13,6 +13,7 @@ from models.mixture import GroupedExperts
 from models.transformer import Transformer
 from moe.parallel.dispatch import AllToAllDispatcher, SlotTable
 from moe.parallel.distributed import DistContext
+from moe.parallel.gather import ExchangeDispatcher, StepRows
 from moe.parallel.placement import Placement
 
 
@@ -39,8 +40,10 @@ def apply_expert_placement(model: Transformer, placement: Placement, rank: int,
             block.feed_forward.experts = GroupedExperts(cfg.dim, cfg.hidden_dim, held)
 
 
-def use_all_to_all(model: Transformer, placement: Placement, dist: DistContext) -> None:
-    """Route every block's token copies to the ranks holding their experts."""
+def use_all_to_all(model: Transformer, placement: Placement, dist: DistContext, step: StepRows | None = None) -> None:
+    """Route every block's token copies to the ranks holding their experts: always by all-to-all (training),
+    or, given the engine's `step`, by gathering when a step is small (`moe.parallel.gather`)."""
     for name, block in model.layers.items():
         table = SlotTable(placement.expert_ranks[int(name)], placement.world_size).to(dist.device)
-        block.feed_forward.dispatcher = AllToAllDispatcher(table, dist)
+        block.feed_forward.dispatcher = (AllToAllDispatcher(table, dist) if step is None
+                                         else ExchangeDispatcher(table, dist, step))

@@ -24,6 +24,7 @@ from moe.engine.sharded import ShardedEngine
 from moe.errors import USER_ERRORS
 from moe.memory import peak_memory_mib
 from moe.parallel.distributed import DEFAULT_TIMEOUT_S, DistContext, init_process_group
+from moe.parallel.gather import StepRows
 from moe.parallel.placement import Placement
 from moe.parallel.sharding import apply_expert_placement, apply_placement, use_all_to_all
 from moe.progress import Progress
@@ -43,6 +44,7 @@ class ShardSpec:
     cpu_kernels: str = "onednn"  # see MoEModel.from_pretrained
     device: str = "cpu"  # "cuda" (NCCL, GPU `rank` of this machine) or "cpu" (gloo); chosen by the parent
     timeout_s: float = DEFAULT_TIMEOUT_S  # how long a collective waits for the slowest rank
+    exchange: str = "auto"  # the experts' exchange: "auto" (gather for decode), "all-to-all", "gather"
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_MODES:
@@ -59,8 +61,9 @@ def load_shard(spec: ShardSpec, dist: DistContext) -> tuple[ShardedEngine, dict]
     progress = Progress.for_loading(enabled=spec.progress and dist.rank == 0)
     model, _, stats = build_model(spec.path, spec.dtype, dist.device, progress=progress,
                                   prune=lambda m: prune(m, placement, dist.rank), kernels=spec.cpu_kernels)
-    use_all_to_all(model, placement, dist)
-    return engine_type(model, placement, dist, torch_dtype), stats
+    step = StepRows(spec.exchange)
+    use_all_to_all(model, placement, dist, step)
+    return engine_type(model, placement, dist, torch_dtype, step), stats
 
 
 def load_report(model: torch.nn.Module, stats: dict, baseline_mib: float, device: torch.device,

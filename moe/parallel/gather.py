@@ -1,0 +1,118 @@
+"""The decode exchange: every size known in advance, two collectives per block, no split sizes on the host.
+
+For a few tokens per step the all-to-all's count exchange, its split sizes read on the host, and its two
+variable exchanges cost more than the rows they move. Here (the layout vLLM and DeepSeek use for decode):
+
+1. every rank packs its step rows (hidden state, router weights, the slot of each copy) into `most` rows,
+   padding with copies for no slot, and one all-gather gives every rank every rank's rows;
+2. each rank runs the copies routed to its own slots, weights them, and sums them per token, all on device;
+3. one reduce-scatter sums the partial results over ranks and hands each rank back its own rows.
+
+The slot of a copy (which replica computes it) is still chosen by the rank that routed the token, so replicas
+split the load as on the all-to-all path. `StepRows` says, before each forward pass, how many rows the
+fullest rank brings (the same number on every rank, from shapes every rank knows); `ExchangeDispatcher`
+takes this path when that number is small (`GATHER_MAX_ROWS`), or always / never when forced, so every rank
+takes the same path at every block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from models.mixture import Dispatched, group_by_expert, weighted_sum
+from moe.parallel.dispatch import AllToAllDispatcher, SlotTable
+from moe.parallel.distributed import DistContext
+
+EXCHANGES = ("auto", "all-to-all", "gather")
+# Up to this many rows on the fullest rank, "auto" gathers: a decode step of up to 16 sequences per rank.
+# Prefill keeps the all-to-all, which moves each copy once rather than every row to every rank.
+GATHER_MAX_ROWS = 16
+
+
+class StepRows:
+    """The most rows any rank brings to this forward pass's exchanges, set by the engine before the blocks."""
+
+    def __init__(self, exchange: str = "auto") -> None:
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange={exchange!r}: use one of {', '.join(EXCHANGES)}")
+        self.exchange = exchange
+        self.most = 0
+
+    @property
+    def gather(self) -> bool:
+        return self.exchange == "gather" or (self.exchange == "auto" and self.most <= GATHER_MAX_ROWS)
+
+
+@dataclass
+class Gathered(Dispatched):
+    """`Dispatched` over the gathered rows of every rank (`n_tokens` = ranks x most), plus where this rank's are."""
+
+    own_rows: int  # rows this rank brought; its results are rows rank*most .. rank*most+own_rows of the sum
+    most: int
+
+
+class ExchangeDispatcher(AllToAllDispatcher):
+    """The all-to-all dispatcher that gathers instead when `step` says the step is small."""
+
+    def __init__(self, table: SlotTable, dist: DistContext, step: StepRows) -> None:
+        super().__init__(table, dist)
+        self.step = step
+        self.gathered_rows = torch.zeros((), dtype=torch.long, device=dist.device)  # on device: no sync to count
+
+    def dispatch(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor):
+        if not self.step.gather:
+            return super().dispatch(x_TD, weights_TK, ids_TK)
+        R, M, K = self.dist.world_size, self.table.slots_per_rank, ids_TK.shape[1]
+        most, T, D = self.step.most, x_TD.shape[0], x_TD.shape[1]
+        slot_TK = self.table.slots(ids_TK.reshape(-1)).view(T, K)
+        x_RD, w_RK, slot_RK = unpack(self.dist.all_gather(pack(x_TD, weights_TK, slot_TK, most)), D, K, x_TD.dtype)
+        # Copies for this rank's slots by local slot; every other copy gets slot M and sorts last.
+        mine = slot_RK // M == self.dist.rank
+        local_RK = torch.where(mine, slot_RK % M, M)
+        g = group_by_expert(local_RK, M + 1)
+        counts = g.counts_E[:self.n_local]
+        self.gathered_rows += counts.sum()
+        weight_N = torch.where(mine.reshape(-1), w_RK.reshape(-1), 0.0)[g.order_N]
+        meta = Gathered(g.token_N, weight_N, R * most, own_rows=T, most=most)
+        return x_RD[g.token_N], counts, meta
+
+    def combine(self, y_ND: torch.Tensor, meta: Dispatched) -> torch.Tensor:
+        if not isinstance(meta, Gathered):
+            return super().combine(y_ND, meta)
+        n = y_ND.shape[0]  # the experts return only the rows for this rank's slots, which come first
+        partial = weighted_sum(y_ND, Dispatched(meta.token_N[:n], meta.weight_N[:n], meta.n_tokens))
+        return self.dist.reduce_scatter(partial)[:meta.own_rows]
+
+    @property
+    def received(self) -> int:
+        """Copies this rank's experts computed, both paths (read on the host: only for reports)."""
+        return self.received_rows + int(self.gathered_rows)
+
+    def reset_received(self) -> None:
+        self.received_rows = 0
+        self.gathered_rows.zero_()
+
+
+def pack(x_TD: torch.Tensor, weights_TK: torch.Tensor, slot_TK: torch.Tensor, most: int) -> torch.Tensor:
+    """One [most, bytes] uint8 tensor of this rank's rows: hidden state, fp32 weights, int32 slots; rows past
+    T carry slot -1 (no slot), so they are never computed."""
+    T, K = slot_TK.shape
+    parts = (x_TD.contiguous(), weights_TK.float().contiguous(), slot_TK.to(torch.int32).contiguous())
+    widths = [x_TD.shape[1] * x_TD.element_size(), 4 * K, 4 * K]
+    out = torch.empty(most, sum(widths), dtype=torch.uint8, device=x_TD.device)
+    out[:T] = torch.cat([p.view(torch.uint8).view(T, w) for p, w in zip(parts, widths, strict=True)], dim=1)
+    if most > T:
+        out[T:] = 0
+        out[T:, -4 * K:] = 255  # int32 -1 in every slot field
+    return out
+
+
+def unpack(rows: torch.Tensor, dim: int, top_k: int, dtype: torch.dtype):
+    """The inverse of `pack` for the gathered [ranks x most, bytes] rows: (x, weights, slots)."""
+    x_bytes = dim * dtype.itemsize
+    x = rows[:, :x_bytes].contiguous().view(dtype)
+    w = rows[:, x_bytes:x_bytes + 4 * top_k].contiguous().view(torch.float32)
+    slots = rows[:, x_bytes + 4 * top_k:].contiguous().view(torch.int32).long()
+    return x, w, slots
