@@ -7,7 +7,10 @@ NCCL on GPUs, where each collective's cost is mostly its latency.
 
 from __future__ import annotations
 
+import json
+import tempfile
 from collections import Counter
+from pathlib import Path
 
 from moe.parallel.distributed import DistContext
 
@@ -40,3 +43,41 @@ class CollectiveCounter:
     @property
     def collectives(self) -> int:
         return sum(self.by_call[name] for name in COLLECTIVES)
+
+
+DECODE_PROMPTS = [[1, 15, 27, 99, 7], [1, 300, 41, 8, 8]]  # equal lengths: decode steps only, no padding rows
+
+
+def count_decode_step(path: str, world_size: int, exchange: str = "auto", dtype: str = "float32") -> list[dict]:
+    """Per rank: communication calls by kind and host syncs in one greedy decode step of 2 sequences on
+    `world_size` rank processes (a run of 12 new tokens minus a run of 4, divided by 8)."""
+    from moe.workers.group import run_ranks
+
+    with tempfile.TemporaryDirectory() as out:
+        run_ranks(_count_on_rank, world_size, str(path), dtype, exchange, out)
+        return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def _count_on_rank(rank: int, world_size: int, port: int, path: str, dtype: str, exchange: str, out: str) -> None:
+    from moe.bench.syncs import HostSyncCounter
+    from moe.checkpoint.formats import detect
+    from moe.generation import SamplingParams, generate_tokens
+    from moe.parallel.distributed import init_process_group
+    from moe.parallel.placement import Placement
+    from moe.workers.rank import ShardSpec, load_shard
+
+    dist = init_process_group(rank, world_size, "127.0.0.1", port)
+    cfg = detect(path).config
+    plan = Placement.default(cfg.n_layers, cfg.n_experts, world_size)
+    engine, _ = load_shard(ShardSpec(path, dtype, plan.to_json(), exchange=exchange), dist)
+    runs = []
+    for n in (4, 12):
+        with CollectiveCounter() as calls, HostSyncCounter() as syncs:
+            generate_tokens(engine, DECODE_PROMPTS, SamplingParams(n, 0.0, 1.0, 0, 0), None, 10**6)
+        runs.append((calls.by_call, syncs.total))
+    (calls4, syncs4), (calls12, syncs12) = runs
+    result = {"calls": {name: (calls12[name] - calls4[name]) / 8 for name in calls12},
+              "collectives": sum((calls12[n] - calls4[n]) / 8 for n in COLLECTIVES),
+              "syncs": (syncs12 - syncs4) / 8, "blocks": cfg.n_layers}
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy()

@@ -95,14 +95,14 @@ def decode_bytes_per_token(cfg: ModelConfig, element_size: int) -> int:
 
 
 def ours(path: str, gpus: int, dtype: str, threads: int, repeats: int, attention: str = "owner",
-         cpu_kernels: str = "onednn") -> dict:
+         cpu_kernels: str = "onednn", exchange: str = "auto") -> dict:
     from moe import MoEModel
 
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     # N ranks share the same cores: each gets threads / N.
     model = MoEModel.from_pretrained(path, dtype=dtype, gpus=gpus, threads=max(1, threads // gpus),
-                                     attention=attention, cpu_kernels=cpu_kernels)
+                                     attention=attention, cpu_kernels=cpu_kernels, exchange=exchange)
     load = time.perf_counter() - t0
     V = model.config.vocab_size
     with model:

@@ -2,11 +2,14 @@
 
     python scripts/bench.py --size small --threads 2 --gpus 4 --json bench.json
     python scripts/bench.py --size medium --dtype bfloat16
+    LLAMA_CPP_DIR=~/llama.cpp python scripts/bench.py --size small --dtype int8 --gpus 2 --against llama.cpp
 
 Builds a random checkpoint of the named size (kept in --workdir), then measures, each case in a fresh
 process on the same weights and thread count: this project on 1 rank (with its oneDNN kernels and with
-torch's plain ones) and on --gpus ranks, and transformers' MixtralForCausalLM (when installed). Figures are
-medians over --repeats runs.
+torch's plain ones) and on --gpus ranks (the automatic exchange, and all-to-all forced), and the peers named
+by --against: transformers' MixtralForCausalLM (when installed) and llama.cpp (`llama-bench` on the same
+weights converted to GGUF at the matching precision; moe.bench.llama_cpp). Figures are medians over --repeats
+runs. On N ranks it also counts, inside the rank processes, the collectives and host syncs of a decode step.
 
 Bounds: decode against memory bandwidth (weight bytes a step must read / step time), over the copy
 bandwidth counted as bytes copied per second (the issue's definition) and over the read bandwidth (the
@@ -20,11 +23,10 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
-
-import torch
 
 from moe.bench.sizes import SIZES, write_sized_checkpoint
 from moe.bench.speed import (
@@ -38,9 +40,12 @@ from moe.bench.speed import (
     read_bandwidth,
     warm_page_cache,
 )
+from moe.checkpoint.loader import activation_dtype
 from moe.cli.common import run_command
 
-ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+# A sized random checkpoint has no tokenizer; llama.cpp's converter needs one (its vocabulary is padded to the model's).
+BENCH_TOKENIZER = Path(__file__).resolve().parents[2] / "weights" / "tiny-moe-austen-bbe" / "tokenizer.model"
+ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}  # bytes per linear weight
 
 
 def cpu_name() -> str:
@@ -69,7 +74,8 @@ def case_main(args: argparse.Namespace) -> None:
     if args.case.startswith("ours"):
         attention = "replicated" if args.case == "ours-replicated" else "owner"
         kernels = "torch" if args.case == "ours-torch-kernels" else "onednn"
-        result = ours(args.ckpt, args.gpus, args.dtype, args.threads, args.repeats, attention, kernels)
+        exchange = "all-to-all" if args.case == "ours-all-to-all" else "auto"
+        result = ours(args.ckpt, args.gpus, args.dtype, args.threads, args.repeats, attention, kernels, exchange)
     else:
         result = transformers_case(args.ckpt, args.dtype, args.threads, args.repeats)
     print(json.dumps(result))
@@ -79,7 +85,7 @@ def machine_bounds(args: argparse.Namespace, path: Path) -> dict:
     """The machine's limits and what they allow this model: decode steps/s by bandwidth, prefill by peak."""
     cfg = checkpoint_config(path)
     bandwidth, read = memory_bandwidth(args.threads), read_bandwidth(args.threads)
-    peaks = matmul_peak(args.threads, getattr(torch, args.dtype))
+    peaks = matmul_peak(args.threads, activation_dtype(args.dtype))
     step_bytes = decode_bytes_per_token(cfg, ELEMENT_SIZE[args.dtype])
     flops = prefill_flops_per_token(cfg, PREFILL)
     b = {"cfg": cfg, "bandwidth": bandwidth, "read": read, "peaks": peaks, "step_bytes": step_bytes,
@@ -96,16 +102,53 @@ def machine_bounds(args: argparse.Namespace, path: Path) -> dict:
 
 
 def print_table(rows: dict, b: dict) -> None:
-    print(f"{'':>22} {'load':>6} {'prefill':>8} {'% torch':>7} {'% oneDNN':>8} {'TTFT':>6} {'decode b1':>9} "
+    """One row per case; a peer that does not measure a figure (llama-bench: load, TTFT, batch 8) shows "-"."""
+    print(f"{'':>24} {'load':>6} {'prefill':>8} {'% torch':>7} {'% oneDNN':>8} {'TTFT':>6} {'decode b1':>9} "
           f"{'% copy':>6} {'% read':>6} {'decode b8':>9} {'peak RSS':>14}")
-    print(f"{'case':>22} {'s':>6} {'tok/s':>8} {'peak':>7} {'peak':>8} {'ms':>6} {'tok/s':>9} "
+    print(f"{'case':>24} {'s':>6} {'tok/s':>8} {'peak':>7} {'peak':>8} {'ms':>6} {'tok/s':>9} "
           f"{'bound':>6} {'bound':>6} {'tok/s':>9} {'MiB':>14}")
+
+    def cell(value, width: int, fmt: str) -> str:
+        return f"{value:>{width}{fmt}}" if value is not None else f"{'-':>{width}}"
+
     for name, r in rows.items():
         b1, pre = 1 / r["decode1_step_s"], PREFILL / r["prefill_s"]
-        print(f"{name:>22} {r['load_s']:>6.2f} {pre:>8.0f} {100 * pre / b['prefill']:>6.0f}% "
-              f"{100 * pre / b['prefill_onednn']:>7.0f}% {r['ttft_s'] * 1e3:>6.0f} {b1:>9.1f} "
-              f"{100 * b1 / b['decode']:>5.0f}% {100 * b1 / b['decode_read']:>5.0f}% {8 / r['decode8_step_s']:>9.1f} "
-              f"{'/'.join(f'{m:.0f}' for m in r['peak_rss_mib']):>14}")
+        b8 = 8 / r["decode8_step_s"] if r.get("decode8_step_s") else None
+        load, ttft = r.get("load_s"), r.get("ttft_s")
+        rss = "/".join(f"{m:.0f}" for m in r["peak_rss_mib"]) if r.get("peak_rss_mib") else None
+        print(f"{name:>24} {cell(load, 6, '.2f')} {pre:>8.0f} {100 * pre / b['prefill']:>6.0f}% "
+              f"{100 * pre / b['prefill_onednn']:>7.0f}% {cell(ttft and ttft * 1e3, 6, '.0f')} {b1:>9.1f} "
+              f"{100 * b1 / b['decode']:>5.0f}% {100 * b1 / b['decode_read']:>5.0f}% {cell(b8, 9, '.1f')} "
+              f"{cell(rss, 14, '')}")
+    one = rows.get("ours x1")
+    if one:
+        b1 = 1 / one["decode1_step_s"]
+        print(f"headline: 1-rank decode at batch 1 runs at {b1:.1f} tok/s = {100 * b1 / b['decode_read']:.0f}% of "
+              f"the read-bandwidth bound ({b['decode_read']:.0f} tok/s)")
+
+
+def print_peers(rows: dict) -> None:
+    one = rows.get("ours x1")
+    for name, peer in rows.items():
+        if one and name.startswith("llama.cpp"):
+            print(f"vs {name}: decode b1 {peer['decode1_step_s'] / one['decode1_step_s']:.2f}x, prefill "
+                  f"{peer['prefill_s'] / one['prefill_s']:.2f}x (> 1: ours faster); llama-bench runs: decode "
+                  f"{', '.join(f'{x:.1f}' for x in peer['decode_samples'])} tok/s, prefill "
+                  f"{', '.join(f'{x:.0f}' for x in peer['prefill_samples'])} tok/s")
+
+
+def print_exchange_counts(path: Path, args: argparse.Namespace) -> None:
+    """Collectives and host syncs per block and decode step, counted inside the rank processes."""
+    from moe.bench.collectives import count_decode_step
+
+    for exchange in ("auto", "all-to-all"):
+        ranks = count_decode_step(str(path), args.gpus, exchange, args.dtype)
+        blocks = ranks[0]["blocks"]
+        worst = max(ranks, key=lambda r: r["collectives"])
+        kinds = ", ".join(f"{k} {v / blocks:g}" for k, v in sorted(worst["calls"].items()) if v)
+        print(f"{args.gpus} ranks, exchange {exchange}: per block and decode step {worst['collectives'] / blocks:.2f} "
+              f"collectives ({kinds}; the step's one token broadcast included), host syncs "
+              f"{max(r['syncs'] for r in ranks) / blocks:.2f} (worst rank)")
 
 
 def print_comparisons(rows: dict, gpus: int, cfg) -> None:
@@ -140,23 +183,40 @@ def main(args: argparse.Namespace) -> int:
         if not (path / "config.json").exists():
             print(f"writing a random {args.size} checkpoint to {path} ...")
             write_sized_checkpoint(path, args.size)
+        if not (path / "tokenizer.model").exists() and BENCH_TOKENIZER.exists():
+            shutil.copy(BENCH_TOKENIZER, path / "tokenizer.model")  # llama.cpp's converter wants one
     bounds = machine_bounds(args, path)
-    impls = [("ours", 1), ("ours-torch-kernels", 1)]
+    impls = [("ours", 1)] + ([("ours-torch-kernels", 1)] if args.dtype != "int8" else [])
     if args.gpus > 1:
-        impls += [("ours", args.gpus), ("ours-replicated", args.gpus)]
-    try:
-        import transformers  # noqa: F401
-        impls.append(("transformers", 1))
-    except ImportError:
-        print("transformers is not installed: measuring this project only (pip install -e '.[bench]')")
+        impls += [("ours", args.gpus), ("ours-all-to-all", args.gpus), ("ours-replicated", args.gpus)]
+    against = {a.strip() for a in args.against.split(",") if a.strip()}
+    if "transformers" in against and args.dtype != "int8":
+        try:
+            import transformers  # noqa: F401
+            impls.append(("transformers", 1))
+        except ImportError:
+            print("transformers is not installed: not measured (pip install -e '.[bench]')")
+    llama = gguf = None
+    if "llama.cpp" in against:
+        from moe.bench.llama_cpp import LlamaCpp
+
+        llama = LlamaCpp.find(args.llama_cpp)
+        gguf = llama.to_gguf(path, args.dtype, args.workdir / "gguf")
     warm_page_cache(path)
     rows = {}
     for impl, gpus in impls:
         r = run_case(args, impl, gpus, path)
         if r is not None:
             rows[f"{impl} x{gpus}"] = r
+    if llama is not None:
+        from moe.bench.llama_cpp import GGUF_NAMES
+
+        rows[f"llama.cpp {GGUF_NAMES[args.dtype]}"] = llama.run(gguf, args.threads, args.repeats, PREFILL, NEW_TOKENS)
     print_table(rows, bounds)
+    print_peers(rows)
     print_comparisons(rows, args.gpus, bounds["cfg"])
+    if args.gpus > 1:
+        print_exchange_counts(path, args)
     if args.json:
         args.json.write_text(json.dumps({"size": args.size, "dtype": args.dtype, "threads": args.threads,
                                          "cpu": cpu_name(), "bandwidth_gbs": bounds["bandwidth"],
@@ -176,7 +236,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gpus", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--case", choices=["ours", "ours-torch-kernels", "ours-replicated", "transformers"],
+    ap.add_argument("--against", default="transformers",
+                    help="peers, comma-separated: transformers (when installed), llama.cpp (needs --llama-cpp DIR or "
+                         "LLAMA_CPP_DIR: a llama.cpp tree with a built llama-bench)")
+    ap.add_argument("--llama-cpp", default=None, metavar="DIR", help="llama.cpp source tree (default: $LLAMA_CPP_DIR)")
+    ap.add_argument("--case", choices=["ours", "ours-torch-kernels", "ours-all-to-all", "ours-replicated",
+                                       "transformers"],
                     help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 

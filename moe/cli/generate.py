@@ -57,6 +57,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--attention", choices=["owner", "replicated"], default="owner",
                     help="owner: each block's attention on one rank (layer placement, default); replicated: every "
                          "rank holds the dense weights and runs its slice of the batch (throughput on batches)")
+    ap.add_argument("--exchange", choices=["auto", "all-to-all", "gather"], default="auto",
+                    help="how token copies reach the experts' ranks: auto (default) gathers a decode step's few rows "
+                         "to every rank (2 collectives per block) and uses all-to-all for prompts; or force one")
     ap.add_argument("--cpu-kernels", choices=["onednn", "torch"], default="onednn",
                     help="on CPU: linear weights packed for oneDNN (default, faster) or plain torch products")
     ap.add_argument("--expert-load", default=None, metavar="DIR",
@@ -97,7 +100,8 @@ def generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     model = MoEModel.from_pretrained(args.ckpt, dtype=args.dtype, device=args.device, gpus=args.gpus, placement=plan,
                                      master_port=args.master_port, threads=args.threads, progress=not args.quiet,
-                                     attention=args.attention, cpu_kernels=args.cpu_kernels, timeout_s=args.timeout)
+                                     attention=args.attention, cpu_kernels=args.cpu_kernels, timeout_s=args.timeout,
+                                     exchange=args.exchange)
     load_s = time.perf_counter() - t0
     with model:
         run_and_print(model, args, prompts, load_s, say_from(model.rank))
