@@ -36,22 +36,21 @@ def test_int8_products_match_the_dequantized_weight(rows):
     want = F.linear(x.float(), int8.q.float() * int8.scale.float()[:, None])
     got = int8(x)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
-    # Both paths sum x*q in fp32 and round once to bf16: within one bf16 step of the largest output.
-    assert (got.float() - want).abs().max().item() <= 2**-7 * want.abs().max().item()
+    # Both paths sum x*q in fp32; the many-row path rounds twice (the product, then the scaled result): within
+    # one bf16 step of each output.
+    assert ((got.float() - want).abs() <= want.abs() * 2**-7 + 1e-6).all()
 
 
 @torch.inference_mode()
 def test_an_int8_row_gets_the_same_result_whatever_rows_share_its_product():
-    """So a batch split over ranks (replicated attention) rounds as on one: both paths sum in fp32 and round once;
-    only the order of the fp32 sums differs, which moves a rare element by one bf16 step."""
+    """A batch split over ranks (replicated attention) runs its rows through the other path: results agree to
+    one bf16 rounding step (the kernel rounds once, the many-row product twice)."""
     g = torch.Generator().manual_seed(3)
     int8 = weights.Int8(torch.randn(256, 128, generator=g).bfloat16())
     x = torch.randn(40, 128, generator=g).bfloat16()
     alone = torch.cat([int8(x[i:i + 1]) for i in range(40)]).float()  # the int8 kernel, one row at a time
     together = int8(x).float()  # 40 rows at once: the fp32 path
-    differ = together != alone
-    assert differ.float().mean().item() < 1e-3  # here 1 element of 10240
-    assert ((together - alone).abs() <= alone.abs() * 2**-7)[differ].all()
+    assert ((together - alone).abs() <= alone.abs() * 2**-7 + 1e-6).all()
 
 
 @pytest.fixture(scope="module")
