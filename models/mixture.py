@@ -100,11 +100,13 @@ class GroupedExperts(nn.Module):
         if self.kernels is not None or self.w1.is_meta:
             return
         fmt = weights.format_for(self.w1, kernels, int8)
-        w13, w2 = torch.cat([self.w1.detach(), self.w3.detach()], dim=1), self.w2.detach()  # [El, 2F, D]
-        self.kernels = [(fmt(w13[e]), fmt(w2[e])) for e in range(len(self.expert_ids))]  # Dense: views of the stacks
-        if fmt is weights.Dense:
-            self.stacks = (w13, w2)
-            self.offsets_on_device = w13.device.type == "cuda" and w13.dtype == torch.bfloat16  # _grouped_mm's case
+        w1, w2, w3 = self.w1.detach(), self.w2.detach(), self.w3.detach()
+        if fmt is weights.Dense:  # stacked once, [El, 2F, D]; each expert's kernel is a view
+            self.stacks = (torch.cat([w1, w3], dim=1), w2)
+            self.kernels = [(fmt(self.stacks[0][e]), fmt(w2[e])) for e in range(len(self.expert_ids))]
+            self.offsets_on_device = w1.device.type == "cuda" and w1.dtype == torch.bfloat16  # _grouped_mm's case
+        else:  # converted expert by expert: one expert's w1/w3 copy at a time on top of the stacks
+            self.kernels = [(fmt(torch.cat([w1[e], w3[e]])), fmt(w2[e])) for e in range(len(self.expert_ids))]
         for name in ("w1", "w2", "w3"):
             setattr(self, name, weights.shape_only(getattr(self, name)))
 

@@ -74,8 +74,8 @@ def test_int8_greedy_tokens_and_logits_follow_the_float_model(bf16_and_int8):
         assert int8.generate(PROMPTS, max_new_tokens=32) == fp32.generate(PROMPTS, max_new_tokens=32)
     ids = torch.tensor([int8.tokenizer.encode(HELD_OUT)[:64]])
     a, b = bf16(ids).float(), int8(ids).float()
-    # Logits of this model span about +-15; int8 weights move a position's logits by 0.1-0.45 (bf16 against
-    # fp32: 0.06-0.26), except where a token's choice of experts flips (int8 here: 2 positions of 64, by 2-6).
+    # Logits of this model span about +-15; int8 weights move a position's logits by 0.19 (median of the largest
+    # change; bf16 against fp32: 0.09), more where a token's choice of experts flips (here 4 positions of 64).
     err = (a - b).abs().amax(-1)[0]
     assert err.median().item() < 0.3 and (err < 0.5).float().mean().item() > 0.9, err
     assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() > 0.95
