@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import resource
 from dataclasses import dataclass
 
@@ -25,6 +26,16 @@ def host_peak_mib() -> float:
     # VmHWM belongs to this address space; ru_maxrss survives exec and would include a spawning parent's peak.
     kib = _proc_kib("/proc/self/status", "VmHWM")
     return kib / 1024 if kib is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def return_freed_memory() -> None:
+    """Hand memory that was freed back to the OS. glibc keeps freed heap memory for reuse: after a checkpoint's
+    tensors are converted (packed, quantized) and the originals freed, resident memory stayed 150-170 MiB above
+    what the model holds on `small` (bf16 746 -> 597 MiB, int8 541 -> 418 MiB after trimming). No-op elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def available_mib() -> float:

@@ -182,12 +182,36 @@ def needed_sources(model: nn.Module, fmt: str, cfg) -> dict[str, list[str]]:
     return out
 
 
+def read_parameter(reader: TensorReader, ckpt: CheckpointFormat, name: str, shape: torch.Size, names: list[str],
+                   by_source: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """One parameter from its checkpoint tensors `names` (a stacked expert parameter: one per held expert)."""
+    if is_stacked_expert(name):
+        if not names:
+            return torch.empty(shape, dtype=dtype, device=device)
+        t = reader.empty(names[0], (len(names),), device)  # one buffer, each expert read into its row
+        for row, source in enumerate(names):
+            reader.read_into(source, t[row])
+        return t.to(device=device, dtype=dtype)  # no copy when already there
+    source = names[0]
+    if source in by_source:  # tied embeddings: one tensor, two parameters
+        return by_source[source]
+    t = reader.read(source, device)
+    kind = needs_rope_permute(ckpt.fmt, name)
+    if kind is not None:
+        t = to_half_split(t, ckpt.config.n_heads if kind == "wq" else ckpt.config.n_kv_heads)
+    by_source[source] = t = t.to(device=device, dtype=dtype)
+    return t
+
+
 def load_into(model: nn.Module, ckpt: CheckpointFormat, directory: str | Path, full_shapes: dict[str, torch.Size],
-              dtype: torch.dtype, device: torch.device | str, progress: Progress | None = None) -> dict[str, float]:
+              dtype: torch.dtype, device: torch.device | str, progress: Progress | None = None,
+              on_unit: Callable[[nn.Module], None] | None = None) -> dict[str, float]:
     """Load this rank's tensors into `model` (built on meta, already pruned to what the rank holds).
 
     `progress` counts the bytes read, with a line per checkpoint file as the last tensor this rank needs
-    from it is read.
+    from it is read. Tensors are assigned a unit at a time (a block, the embedding, the final norm, the head);
+    `on_unit(module)` then sees it whole, so converting its weights (packing, int8) holds one unit's original
+    tensors at a time, not the model's.
     """
     progress = progress or silent()
     t0 = time.perf_counter()
@@ -206,26 +230,23 @@ def load_into(model: nn.Module, ckpt: CheckpointFormat, directory: str | Path, f
         needed = sorted({s for names in sources.values() for s in names})
         reader.expect(needed)
         stack.enter_context(progress.start(sum(tensors[n].nbytes for n in needed)))
+        unit = None
+
+        def assign() -> None:  # the finished unit's tensors into the model (every name of the unit is in `state`)
+            unexpected = model.load_state_dict(state, strict=False, assign=True).unexpected_keys
+            assert not unexpected, unexpected
+            state.clear()
+            if on_unit is not None:
+                on_unit(model.get_submodule(unit))
+
         for name, param in model.state_dict(keep_vars=True).items():
-            if is_stacked_expert(name):
-                names = sources[name]
-                if not names:
-                    state[name] = torch.empty(param.shape, dtype=dtype, device=device)
-                    continue
-                t = reader.empty(names[0], (len(names),), device)  # one buffer, each expert read into its row
-                for row, source in enumerate(names):
-                    reader.read_into(source, t[row])
-            else:
-                source = sources[name][0]
-                if source in by_source:  # tied embeddings: one tensor, two parameters
-                    state[name] = by_source[source]
-                    continue
-                t = reader.read(source, device)
-                kind = needs_rope_permute(ckpt.fmt, name)
-                if kind is not None:
-                    t = to_half_split(t, cfg.n_heads if kind == "wq" else cfg.n_kv_heads)
-                t = by_source[source] = t.to(device=device, dtype=dtype)
-            state[name] = t.to(device=device, dtype=dtype)  # no copy when already there
+            parts = name.split(".")
+            if unit != (this := ".".join(parts[:2]) if parts[0] == "layers" else parts[0]):
+                if unit is not None:
+                    assign()
+                unit = this
+            state[name] = read_parameter(reader, ckpt, name, param.shape, sources[name], by_source, dtype, device)
+        if unit is not None:
+            assign()
         files_read = sorted(p.name for p in reader.handles)
-    model.load_state_dict(state, strict=True, assign=True)
     return {"load_seconds": time.perf_counter() - t0, "bytes_read": reader.bytes_read, "files_read": files_read}

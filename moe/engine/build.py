@@ -11,6 +11,7 @@ from models import weights
 from models.transformer import Transformer
 from moe.checkpoint.formats import CheckpointFormat, detect
 from moe.checkpoint.loader import INT8, activation_dtype, load_into, parse_dtype
+from moe.memory import return_freed_memory
 from moe.progress import Progress
 
 
@@ -30,11 +31,14 @@ def build_model(directory: str | Path, dtype: str | torch.dtype | None = None, d
     full_shapes = {k: v.shape for k, v in model.state_dict().items()}
     if prune is not None:
         prune(model)
-    stats = load_into(model, ckpt, directory, full_shapes, torch_dtype, device, progress)
+    def convert(unit: torch.nn.Module) -> None:  # as each block is read: the originals go before the next one
+        weights.prepare(unit, kernels, int8)
+        return_freed_memory()
+
+    stats = load_into(model, ckpt, directory, full_shapes, torch_dtype, device, progress,
+                      on_unit=convert if kernels is not None else None)
     materialize_buffers(model, device)
     model.eval().requires_grad_(False)
-    if kernels is not None:
-        weights.prepare(model, kernels, int8)
     return model, ckpt, stats
 
 
