@@ -95,3 +95,26 @@ def test_onednn_and_torch_kernels_give_the_same_answer_and_save_the_same_weights
 def test_unknown_kernels_are_refused():
     with pytest.raises(ValueError, match="cpu_kernels='mkl': use one of onednn, torch"):
         MoEModel.from_pretrained(TRAINED, cpu_kernels="mkl")
+
+
+def test_loading_converts_each_unit_as_soon_as_it_is_read():
+    """So only one block's original tensors are held besides the converted model (moe.checkpoint.loader)."""
+    from models.transformer import Transformer
+    from moe.checkpoint.formats import detect
+    from moe.checkpoint.loader import load_into
+
+    ckpt = detect(TRAINED)
+    with torch.device("meta"):
+        model = Transformer(ckpt.config)
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    seen = []
+
+    def on_unit(unit: torch.nn.Module) -> None:
+        name = next(n for n, m in model.named_modules() if m is unit)
+        assert not any(p.is_meta for p in unit.parameters()), name  # the unit is whole when it is handed over
+        later = [p for n, p in model.named_parameters() if n.startswith("output.")]
+        assert all(p.is_meta for p in later) or name == "output", name  # and the rest is not read yet
+        seen.append(name)
+
+    load_into(model, ckpt, TRAINED, shapes, torch.float32, "cpu", on_unit=on_unit)
+    assert seen == ["tok_embeddings", *[f"layers.{i}" for i in range(ckpt.config.n_layers)], "norm", "output"]
