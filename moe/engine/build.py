@@ -20,7 +20,7 @@ def build_model(directory: str | Path, dtype: str | torch.dtype | None = None, d
                 progress: Progress | None = None,
                 kernels: str | None = None) -> tuple[Transformer, CheckpointFormat, dict]:
     """`kernels` ("onednn" or "torch"; see `models.weights`): an inference model, its linear weights converted
-    to their fastest format after loading; `dtype="int8"` (inference only) quantizes them."""
+    to their fastest format block by block as they are read; `dtype="int8"` (inference only) quantizes them."""
     ckpt = detect(directory)
     int8 = dtype == INT8
     if int8 and kernels is None:
