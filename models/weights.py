@@ -80,11 +80,8 @@ class Int8(LinearWeight):
             out = F.linear(x2, self.q.to(x.dtype)) * self.scale
         return out.view(*x.shape[:-1], self.out_features)
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        return (self.q.to(dtype) * self.scale[:, None]).to(dtype)
-
     def dense(self) -> torch.Tensor:
-        return self.dequantized(self.scale.dtype)
+        return self.q.to(self.scale.dtype) * self.scale[:, None]
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

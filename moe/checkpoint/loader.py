@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from models.weights import INT8
 from moe.checkpoint.files import CheckpointError, TensorInfo, index_tensors
 from moe.checkpoint.formats import (
     CheckpointFormat,
@@ -29,9 +30,6 @@ from moe.progress import Progress, silent
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-
-
-INT8 = "int8"  # int8 weights (models.weights.Int8), bf16 activations; only for inference
 
 
 def parse_dtype(dtype: str | torch.dtype | None, default: str | None = None) -> torch.dtype:

@@ -26,13 +26,6 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _all_to_all_equal(t: torch.Tensor) -> torch.Tensor:
-    """Rows of `t` split equally: block r goes to rank r; block r of the result came from rank r."""
-    out = torch.empty_like(t)
-    dist.all_to_all_single(out, t)
-    return out
-
-
 @dataclass(frozen=True)
 class DistContext:
     rank: int
@@ -114,7 +107,8 @@ class DistContext:
             out = t.new_empty((rows, *t.shape[1:]))
             _reduce_scatter(out, t.contiguous())
             return out
-        parts = _all_to_all_equal(t.contiguous())
+        parts = torch.empty_like(t)
+        dist.all_to_all_single(parts, t.contiguous())  # equal splits: block r of `parts` came from rank r
         out = parts[:rows].clone()
         for r in range(1, self.world_size):
             out += parts[r * rows:(r + 1) * rows]

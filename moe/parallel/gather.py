@@ -50,7 +50,6 @@ class Gathered(Dispatched):
     """`Dispatched` over the gathered rows of every rank (`n_tokens` = ranks x most), plus where this rank's are."""
 
     own_rows: int  # rows this rank brought; its results are rows rank*most .. rank*most+own_rows of the sum
-    most: int
 
 
 class ExchangeDispatcher(AllToAllDispatcher):
@@ -75,7 +74,7 @@ class ExchangeDispatcher(AllToAllDispatcher):
         counts = g.counts_E[:self.n_local]
         self.gathered_rows += counts.sum()
         weight_N = torch.where(mine.reshape(-1), w_RK.reshape(-1), 0.0)[g.order_N]
-        meta = Gathered(g.token_N, weight_N, R * most, own_rows=T, most=most)
+        meta = Gathered(g.token_N, weight_N, R * most, own_rows=T)
         return x_RD[g.token_N], counts, meta
 
     def combine(self, y_ND: torch.Tensor, meta: Dispatched) -> torch.Tensor:
