@@ -4,6 +4,11 @@ with a preallocated KV cache.
 Shapes: B batch, S new positions, L cache length, H query heads, G kv heads, Dh head dim, D model dim.
 The KV cache is indexed by *slot*; a sequence's rotary position is its slot minus its left padding,
 so prompts of different lengths share one cache and one step counter.
+
+A decode step has two forms: with the slot as a Python int (`AttentionContext.build`: the cache is written
+and read up to the slot, shapes grow by one every step), or with the slot as a tensor on the device
+(`AttentionContext.at_slot`: the cache is written at the slot and read whole under a mask, so every shape is
+the same at every step, which a compiled step and a CUDA graph need).
 """
 
 from __future__ import annotations
@@ -75,6 +80,11 @@ class AttentionContext:
     sin: torch.Tensor
     mask: torch.Tensor | None  # [B, 1, S, start+S] bool, True = may attend; None: see is_causal
     is_causal: bool = False  # with mask None: causal (a prompt from slot 0) or, if False, every key visible
+    slot: torch.Tensor | None = None  # [1] long on the device: a one-token step of static shape (`at_slot`)
+
+    @property
+    def decoding(self) -> bool:
+        return self.slot is not None or self.start > 0
 
     @classmethod
     def build(cls, cfg: ModelConfig, batch: int, seq: int, start: int, padding: Padding | None,
@@ -100,6 +110,23 @@ class AttentionContext:
             mask = causal[None] & (real_key[:, None, :] | diagonal[None])  # [B, S, L]
         return cls(start=start, cos=cos, sin=sin, mask=mask[:, None])
 
+    @classmethod
+    def at_slot(cls, cfg: ModelConfig, batch: int, slot: torch.Tensor, length: int, pad_B: torch.Tensor | None,
+                dtype: torch.dtype) -> AttentionContext:
+        """One new token per sequence at cache slot `slot` ([1] long, on the device) of a `length`-slot cache:
+        the same masks and positions as `build`, over every slot of the cache, from tensors only."""
+        k_slot = torch.arange(length, device=slot.device)  # [L]
+        visible = k_slot <= slot  # [L]: the slots written so far (later ones hold an earlier request's keys)
+        if cfg.sliding_window is not None:
+            visible &= k_slot > slot - cfg.sliding_window
+        positions = slot.expand(batch)[:, None]  # [B, 1]
+        mask = visible.expand(batch, length)
+        if pad_B is not None:
+            positions = (positions - pad_B[:, None]).clamp(min=0)
+            mask = mask & (k_slot[None, :] >= pad_B[:, None])  # a decode query is never a padding slot
+        cos, sin = rotary_tables(positions, cfg.head_dim, cfg.rope_theta, dtype)
+        return cls(start=-1, cos=cos, sin=sin, mask=mask[:, None, None, :], slot=slot)
+
 
 class KVCache(nn.Module):
     """Preallocated keys and values [B, G, L, Dh] of one attention block."""
@@ -118,6 +145,12 @@ class KVCache(nn.Module):
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]
+
+    def write_at(self, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One position at `slot` ([1] long tensor): every shape static; the whole cache is returned."""
+        self.k.index_copy_(2, slot, k)
+        self.v.index_copy_(2, slot, v)
+        return self.k, self.v
 
 
 class Attention(nn.Module):
@@ -151,7 +184,9 @@ class Attention(nn.Module):
         k = k.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, G, S, Dh]
         v = v.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(torch.cat((q, k), dim=1), ctx.cos, ctx.sin).split((self.n_heads, self.n_kv_heads), dim=1)
-        if cache is not None:
+        if cache is not None and ctx.slot is not None:
+            k, v = cache.write_at(ctx.slot, k, v)  # [B, G, L, Dh], ctx.mask hides the slots past this one
+        elif cache is not None:
             k, v = cache.update(ctx.start, k, v)  # [B, G, start+S, Dh]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, is_causal=ctx.is_causal,
                                              enable_gqa=self.n_heads != self.n_kv_heads)

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import torch
 
-KERNELS = ("onednn", "torch")  # choices for MoEModel.from_pretrained(cpu_kernels=...)
-
 
 def can_pack(weight: torch.Tensor) -> bool:
     """oneDNN runs this weight's dtype on this CPU (fp32; bf16 where the CPU has bf16 instructions)."""

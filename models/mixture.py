@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import weights
+from models import matvec, weights
 from models.config import ModelConfig
 
 
@@ -67,14 +67,20 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n, hidden_dim, dim))
         # Inference: per stacked expert, (w1 and w3 fused, w2) in their fastest format (models.weights).
         self.kernels: list[tuple[weights.LinearWeight, weights.LinearWeight]] | None = None
-        # Dense inference weights also stay stacked, w13 [El, 2F, D] and w2 [El, D, F], for grouped products with
-        # the offsets on the device (no host read); used when `offsets_on_device` (bf16 on CUDA: never run there).
+        # Plain inference weights also stay stacked, w13 [El, 2F, D] and w2 [El, D, F] (the experts' kernels are
+        # views of them), for grouped products of all local experts at once: on CPU the streaming kernel
+        # (`streamed`; int8 stacks with their scales [El, 2F] and [El, D]), on CUDA `torch._grouped_mm` with the
+        # offsets on the device (`offsets_on_device`: bf16, never run there). Neither reads counts on the host.
         self.stacks: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.streamed = False
         self.offsets_on_device = False
 
     def forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor | list[int]) -> torch.Tensor:
         """x_ND holds counts_El[0] copies for stacked expert 0, then counts_El[1] for expert 1, ...
         A dispatcher that already read the counts on the host passes them as a list."""
+        if self.streamed and x_ND.shape[0] <= matvec.MAX_ROWS:
+            return self.streamed_forward(x_ND, torch.as_tensor(counts_El))
         if self.offsets_on_device and self.stacks is not None and isinstance(counts_El, torch.Tensor):
             return self.grouped(x_ND, counts_El)
         # One host sync per layer (none if the dispatcher read them): the counts decide which experts run.
@@ -101,14 +107,33 @@ class GroupedExperts(nn.Module):
             return
         fmt = weights.format_for(self.w1, kernels, int8)
         w1, w2, w3 = self.w1.detach(), self.w2.detach(), self.w3.detach()
-        if fmt is weights.Dense:  # stacked once, [El, 2F, D]; each expert's kernel is a view
+        experts = range(len(self.expert_ids))
+        if fmt in (weights.Dense, weights.Streamed):  # stacked once, [El, 2F, D]; each expert's kernel is a view
             self.stacks = (torch.cat([w1, w3], dim=1), w2)
-            self.kernels = [(fmt(self.stacks[0][e]), fmt(w2[e])) for e in range(len(self.expert_ids))]
+            self.kernels = [(fmt(self.stacks[0][e]), fmt(w2[e])) for e in experts]
+            self.streamed = fmt is weights.Streamed
             self.offsets_on_device = w1.device.type == "cuda" and w1.dtype == torch.bfloat16  # _grouped_mm's case
+        elif fmt is weights.Int8 and kernels == "auto" and weights.streams(w1):  # quantized as stacks, likewise
+            q13, s13 = weights.quantize_each([torch.cat([w1[e], w3[e]]) for e in experts])
+            q2, s2 = weights.quantize_each(list(w2))
+            self.stacks, self.scales, self.streamed = (q13, q2), (s13, s2), True
+            self.kernels = [(weights.Int8(q13[e], s13[e], w1.dtype, True), weights.Int8(q2[e], s2[e], w1.dtype, True))
+                            for e in experts]
+        elif fmt is weights.Int8:
+            self.kernels = [(weights.Int8.of(torch.cat([w1[e], w3[e]]), kernels), weights.Int8.of(w2[e], kernels))
+                            for e in experts]
         else:  # converted expert by expert: one expert's w1/w3 copy at a time on top of the stacks
-            self.kernels = [(fmt(torch.cat([w1[e], w3[e]])), fmt(w2[e])) for e in range(len(self.expert_ids))]
+            self.kernels = [(fmt(torch.cat([w1[e], w3[e]])), fmt(w2[e])) for e in experts]
         for name in ("w1", "w2", "w3"):
             setattr(self, name, weights.shape_only(getattr(self, name)))
+
+    def streamed_forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor) -> torch.Tensor:
+        """All local experts in two calls of the streaming kernel, which reads the counts itself and only the
+        weights of experts that got rows. Rows past the last group come out as zeros."""
+        (w13, w2), (s13, s2) = self.stacks, self.scales or (None, None)
+        h = matvec.grouped(x_ND, w13, counts_El, s13)
+        hidden = w2.shape[2]
+        return matvec.grouped(F.silu(h[:, :hidden]).mul_(h[:, hidden:]), w2, counts_El, s2)
 
     def grouped(self, x_ND: torch.Tensor, counts_El: torch.Tensor) -> torch.Tensor:
         """All local experts in two grouped products whose group offsets stay on the device. Rows past the

@@ -30,7 +30,7 @@ class Block(nn.Module):
                 rows: torch.Tensor | None = None) -> torch.Tensor:
         h_BSD = self.attend(h_BSD, ctx, cache)
         return add_feed_forward(h_BSD, self.ffn_norm(h_BSD), rows,
-                                lambda x: self.feed_forward(x, decoding=ctx.start > 0))
+                                lambda x: self.feed_forward(x, decoding=ctx.decoding))
 
 
 def add_feed_forward(h_BSD: torch.Tensor, x_BSD: torch.Tensor, rows: torch.Tensor | None, ffn) -> torch.Tensor:
@@ -73,6 +73,18 @@ class Transformer(nn.Module):
         if last_only:
             h = h[:, -1:]
         return self.output(self.norm(h))
+
+    def decode_step(self, tokens_B1: torch.Tensor, slot: torch.Tensor, caches: dict[str, KVCache],
+                    pad_B: torch.Tensor | None) -> torch.Tensor:
+        """Logits [B, V] of one new token per sequence at cache slot `slot` ([1] long, on the device), with every
+        shape the same at every step (`AttentionContext.at_slot`): what `torch.compile` and CUDA graphs take.
+        `pad_B`: each sequence's left padding on the device, or None."""
+        h = self.tok_embeddings(tokens_B1)
+        length = next(iter(caches.values())).k.shape[2]
+        ctx = AttentionContext.at_slot(self.cfg, tokens_B1.shape[0], slot, length, pad_B, h.dtype)
+        for name, block in self.layers.items():
+            h = block(h, ctx, caches[name])
+        return self.output(self.norm(h))[:, -1]
 
 
 def real_token_rows(padding: Padding | None, seq: int, start: int, device: torch.device) -> torch.Tensor | None:

@@ -4,9 +4,13 @@ several products read the same input.
 A loaded model has plain parameters (`weight [out, in]`); `prepare(model, kernels, int8)` converts each
 linear weight once into a `LinearWeight`:
 
-- `Dense`: the plain tensor and `F.linear` (GPUs; CPUs with `cpu_kernels="torch"`).
-- `OneDNN`: reordered into oneDNN's blocked layout (`models.cpu_kernels`; CPU fp32/bf16).
+- `Streamed`: the plain tensor; up to `matvec.MAX_ROWS` rows (decode steps) run the streaming kernel
+  (`models.matvec`), more rows oneDNN (fp32, from the plain weight) or MKL. CPU fp32/bf16 with `kernels="auto"`.
+- `OneDNN`: reordered into oneDNN's blocked layout (`models.cpu_kernels`; CPU fp32/bf16, `kernels="onednn"`).
+- `Dense`: the plain tensor and `F.linear` (GPUs; CPUs with `kernels="torch"`).
 - `Int8`: per-output-channel symmetric int8 (`scale = max|w_row| / 127`), products in the activation dtype.
+
+`kernels="auto"` (the default) falls back to `"onednn"` where the streaming kernel cannot be built.
 
 Fusion (`fused`): q/k/v read the same normalised input, as do each expert's w1/w3, so one weight with their
 rows stacked gives all of them in one product: a decode step makes 49 products instead of 81 on `small`.
@@ -20,15 +24,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import cpu_kernels
+from models import cpu_kernels, matvec
+
+KERNELS = ("auto", "onednn", "torch")  # choices for MoEModel.from_pretrained(cpu_kernels=...)
 
 INT8 = "int8"  # the weight-only precision's name in `dtype=` (activations bf16)
-# Up to this many rows an int8 product runs torch's weight-only kernel, which reads the int8 weight directly
-# (on this CPU 1.4x faster than oneDNN's bf16 for one row, 2x slower for 8). Larger products (prefill,
-# batches) are bound by arithmetic, not reads: x q^T in the activation dtype (int8 values are exact in bf16),
-# then the scales. Measured against the kernel on 512 x 512 @ 512 x 3584: within one bf16 step everywhere,
-# 3.5x faster than the same product in fp32; scaling the weight before the product instead (q * scale
-# rounded to bf16) loses whole digits where a row's terms cancel.
+# Up to this many rows an int8 product without the streaming kernel (`kernels="onednn"`) runs torch's
+# weight-only kernel, which reads the int8 weight directly (on this CPU 1.4x faster than oneDNN's bf16 for one
+# row, 2x slower for 8). Larger products (prefill, batches) are bound by arithmetic, not reads: x q^T in the
+# activation dtype (int8 values are exact in bf16), then the fp32 scales. Measured against the kernel on
+# 512 x 512 @ 512 x 3584: within one bf16 step everywhere, 3.5x faster than the same product in fp32; scaling
+# the weight before the product instead (q * scale rounded to bf16) loses whole digits where a row's terms cancel.
 INT8_KERNEL_MAX_ROWS = 4
 
 
@@ -55,6 +61,29 @@ class Dense(LinearWeight):
         return self.weight
 
 
+class Streamed(LinearWeight):
+    """The plain weight, read by the streaming kernel for a few rows; prompts go to oneDNN (fp32: from the plain
+    weight, within 3-15% of its packed layout from 64 rows on) or to MKL (bf16, which oneDNN runs only on CPUs
+    with bf16 instructions)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight, self.out_features = weight.detach().contiguous(), weight.shape[0]
+        self.onednn = cpu_kernels.can_pack(self.weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] <= matvec.MAX_ROWS:
+            out = matvec.grouped(x2, self.weight[None])
+        elif self.onednn:
+            out = cpu_kernels.linear(x2, self.weight)
+        else:
+            out = F.linear(x2, self.weight)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def dense(self) -> torch.Tensor:
+        return self.weight
+
+
 class OneDNN(LinearWeight):
     def __init__(self, weight: torch.Tensor) -> None:
         self.packed, self.out_features = cpu_kernels.pack(weight), weight.shape[0]
@@ -67,17 +96,24 @@ class OneDNN(LinearWeight):
 
 
 class Int8(LinearWeight):
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.q, scale = quantize(weight)
-        self.scale = scale.to(weight.dtype)  # the kernel takes scales in the activation dtype
-        self.out_features = weight.shape[0]
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, stream: bool) -> None:
+        """q [out, in] int8 and its fp32 scales [out] (`quantize`); `dtype` the activations'; `stream`: few rows
+        run the streaming kernel (fp32 scales), else torch's weight-only kernel (scales in the activations' dtype)."""
+        self.q, self.scale32, self.scale = q, scale, scale.to(dtype)
+        self.out_features, self.stream = q.shape[0], stream
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, kernels: str = "auto") -> Int8:
+        return cls(*quantize(weight), weight.dtype, kernels == "auto" and streams(weight))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if x.device.type == "cpu" and x2.shape[0] <= INT8_KERNEL_MAX_ROWS:
+        if self.stream and x2.shape[0] <= matvec.MAX_ROWS:
+            out = matvec.grouped(x2, self.q[None], None, self.scale32[None])
+        elif x.device.type == "cpu" and x2.shape[0] <= INT8_KERNEL_MAX_ROWS:
             out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.q, self.scale)
         else:  # many rows, or a GPU (never run on CUDA)
-            out = F.linear(x2, self.q.to(x.dtype)) * self.scale
+            out = (F.linear(x2, self.q.to(x.dtype)).float() * self.scale32).to(x.dtype)
         return out.view(*x.shape[:-1], self.out_features)
 
     def dense(self) -> torch.Tensor:
@@ -89,6 +125,15 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = weight.detach().float()
     scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def quantize_each(weights_E: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked (q [E, out, in], scale [E, out]), quantized one weight at a time (one fp32 copy at a time)."""
+    q = torch.empty((len(weights_E), *weights_E[0].shape), dtype=torch.int8, device=weights_E[0].device)
+    scale = torch.empty(q.shape[:2], device=q.device)
+    for e, w in enumerate(weights_E):
+        q[e], scale[e] = quantize(w)
+    return q, scale
 
 
 class Part(LinearWeight):
@@ -104,17 +149,26 @@ class Part(LinearWeight):
         return self.whole.dense()[self.start:self.stop]
 
 
+def streams(weight: torch.Tensor) -> bool:
+    """The streaming kernel reads this weight: on a CPU where it could be built (once per machine)."""
+    return weight.device.type == "cpu" and not weight.is_meta and matvec.available()
+
+
 def format_for(weight: torch.Tensor, kernels: str, int8: bool) -> type[LinearWeight]:
-    """The fastest format for this weight: int8 when asked, oneDNN on a CPU that runs its dtype, else dense."""
+    """The fastest format for this weight: int8 when asked; on a CPU the streaming kernel ("auto") or oneDNN,
+    where they run its dtype; else dense."""
     if int8:
         return Int8
-    if kernels == "onednn" and cpu_kernels.can_pack(weight):
+    if kernels == "auto" and weight.dtype in (torch.float32, torch.bfloat16) and streams(weight):
+        return Streamed
+    if kernels in ("auto", "onednn") and cpu_kernels.can_pack(weight):
         return OneDNN
     return Dense
 
 
 def make(weight: torch.Tensor, kernels: str, int8: bool) -> LinearWeight:
-    return format_for(weight, kernels, int8)(weight)
+    fmt = format_for(weight, kernels, int8)
+    return Int8.of(weight, kernels) if fmt is Int8 else fmt(weight)
 
 
 def fused(weights: list[torch.Tensor], kernels: str, int8: bool) -> tuple[LinearWeight, list[Part]]:
@@ -132,7 +186,7 @@ def shape_only(weight: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
 
 
-def prepare(model: nn.Module, kernels: str = "onednn", int8: bool = False) -> None:
+def prepare(model: nn.Module, kernels: str = "auto", int8: bool = False) -> None:
     """Convert every linear weight of an inference model (modules with `prepare_weights(kernels, int8)`),
     once; parents fuse their children's weights first. Embeddings, norms and routers stay as they are."""
     for module in model.modules():

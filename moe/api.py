@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
+from models import matvec
 from models.config import ModelConfig
-from models.cpu_kernels import KERNELS
+from models.weights import KERNELS
 from moe.checkpoint.formats import detect
 from moe.checkpoint.loader import INT8, activation_dtype, parse_precision
 from moe.engine.base import Engine
@@ -49,6 +50,7 @@ class ModelInfo:
     placement: Placement | None = None
     attention: str = "owner"
     exchange: str = "auto"  # how token copies reach experts on N ranks (moe.parallel.gather)
+    compiled: bool = False  # decode steps run through torch.compile (one rank)
     load_seconds: list[float] = field(default_factory=list)  # per rank, reading its tensors
     bytes_read: list[int] = field(default_factory=list)  # per rank
     files_read: list[list[str]] = field(default_factory=list)  # per rank
@@ -79,8 +81,8 @@ class MoEModel:
                         gpus: int = 1, placement: Placement | str | Path | dict | None = None,
                         blocks_per_rank: list[int] | None = None, master_port: int | None = None,
                         threads: int | None = None, progress: bool = False, attention: str = "owner",
-                        cpu_kernels: str = "onednn", timeout_s: float = DEFAULT_TIMEOUT_S,
-                        exchange: str = "auto") -> MoEModel:
+                        cpu_kernels: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
+                        exchange: str = "auto", compile: bool = False) -> MoEModel:
         """Load a Hugging Face or Mistral consolidated directory.
 
         `device`: "auto" (CUDA when there is a GPU for every rank, CPU when there is none), "cuda", "cpu"
@@ -94,12 +96,15 @@ class MoEModel:
         `timeout_s` is how long a collective waits for the slowest rank (loading, saving); a rank that dies
         is found within seconds regardless.
         `attention="replicated"` gives every rank the dense weights and its own slice of the batch (for
-        throughput on batches); the experts stay placed. `cpu_kernels="onednn"` (on CPU, fp32/bf16) keeps
-        linear weights in oneDNN's layout, about 2x faster than torch's default CPU products here; "torch"
-        keeps plain tensors and `F.linear`. `dtype="int8"`: int8 weights quantized at load (per output
-        channel), bf16 activations. `exchange` (N ranks): "auto" gathers a step's few rows to every rank (two
-        collectives per block, no sizes on the host) for decode and exchanges them by all-to-all for prefill;
-        "gather" or "all-to-all" forces one.
+        throughput on batches); the experts stay placed. `cpu_kernels="auto"` (on CPU) runs decode steps through
+        the project's streaming matrix-vector kernel (built once per machine, `models.matvec`) and prompts
+        through oneDNN; "onednn" keeps linear weights in oneDNN's packed layout for every product (what "auto"
+        falls back to without a C++ compiler); "torch" keeps plain tensors and `F.linear`. `dtype="int8"`: int8
+        weights quantized at load (per output channel), bf16 activations. `compile=True` (one rank) runs decode
+        steps through `torch.compile` with every shape static (`moe.engine.compiled`; a CUDA graph on GPUs): the
+        first step of each batch size compiles (tens of seconds on a CPU), later ones run the graph.
+        `exchange` (N ranks): "auto" gathers a step's few rows to every rank (two collectives per block, no sizes
+        on the host) for decode and exchanges them by all-to-all for prefill; "gather" or "all-to-all" forces one.
         """
         ckpt = detect(path)
         cfg = ckpt.config
@@ -114,26 +119,35 @@ class MoEModel:
             raise ValueError(f"attention={attention!r}: use one of {', '.join(ATTENTION_MODES)}")
         if exchange not in EXCHANGES:
             raise ValueError(f"exchange={exchange!r}: use one of {', '.join(EXCHANGES)}")
+        if compile not in (True, False):
+            raise ValueError(f"compile must be True or False, got {compile!r}")
+        if compile and cpu_kernels == "onednn":
+            raise ValueError("compile=True cannot trace oneDNN-packed weights: use cpu_kernels='auto' or 'torch'")
         base = dict(format=ckpt.fmt, dtype=dtype_name, cpu_kernels=cpu_kernels, attention=attention, exchange=exchange)
         joined = from_torchrun(device, timeout_s)
+        if compile and (gpus > 1 or placement is not None or joined is not None):
+            raise ValueError("compile=True runs on one rank for now (gpus=1, no torchrun, no placement)")
         if joined is not None:
             return cls._join_torchrun(path, cfg, tokenizer, base, *joined, gpus, placement, blocks_per_rank, progress)
         kind = ranks_device(device, gpus)
+        if kind == "cpu" and cpu_kernels == "auto":
+            matvec.available()  # built here once, before N ranks start and load it
         if gpus == 1 and placement is None:
             return cls._load_here(path, cfg, tokenizer, base, device if device.startswith("cuda:") else kind,
-                                  progress)
+                                  progress, compile)
         plan = resolve_placement(placement, cfg.n_layers, cfg.n_experts, gpus, blocks_per_rank)
         spec = ShardSpec(str(path), dtype_name, plan.to_json(), progress, attention, cpu_kernels, kind, timeout_s,
                          exchange)
         return cls._start_ranks(spec, cfg, tokenizer, base, gpus, plan, master_port, threads)
 
     @classmethod
-    def _load_here(cls, path, cfg, tokenizer, base: dict, device: str, progress: bool) -> MoEModel:
+    def _load_here(cls, path, cfg, tokenizer, base: dict, device: str, progress: bool, compile: bool) -> MoEModel:
         baseline = peak_memory_mib(device)
         model, _, stats = build_model(path, base["dtype"], device, progress=Progress.for_loading(progress),
                                       kernels=base["cpu_kernels"])
         report = load_report(model, stats, baseline, torch.device(device), "none")
-        return cls(LocalEngine(model), cfg, tokenizer, ModelInfo.from_reports(base, [report], launch="local"))
+        return cls(LocalEngine(model, compile), cfg, tokenizer,
+                   ModelInfo.from_reports(base, [report], launch="local", compiled=compile))
 
     @classmethod
     def _start_ranks(cls, spec: ShardSpec, cfg, tokenizer, base: dict, gpus: int, plan: Placement,

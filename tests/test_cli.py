@@ -45,11 +45,12 @@ def test_generate_batch_from_prompt_file(tmp_path):
 
 
 def test_cpu_kernels_flag_gives_the_same_greedy_text():
-    """--cpu-kernels torch (plain F.linear) and the default oneDNN kernels write the same greedy text."""
+    """--cpu-kernels auto (the default: the streaming kernel, oneDNN for prompts), onednn and torch (plain F.linear)
+    write the same greedy text."""
     args = ("--prompt", "It is a truth universally acknowledged, that", "--max-new-tokens", "24", "--seed", "0")
     texts = []
-    for kernels in ("onednn", "torch"):
+    for kernels in ("auto", "onednn", "torch"):
         proc = run_generate(*args, "--cpu-kernels", kernels, ckpt=TRAINED)
         assert proc.returncode == 0, proc.stderr
         texts.append(proc.stdout.split("acknowledged, that", 1)[1].split("\nload ")[0])
-    assert texts[0] == texts[1] and len(texts[0]) > 40
+    assert texts[0] == texts[1] == texts[2] and len(texts[0]) > 40

@@ -1,4 +1,5 @@
-"""oneDNN-packed weights for CPU inference: the same products, dense weights back exactly, the same answers."""
+"""CPU weight formats (oneDNN-packed; streamed by our kernel): the same products, dense weights back exactly, the same
+answers."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from models import cpu_kernels, weights
+from models import cpu_kernels, matvec, weights
 from models.basic import Linear
 from models.mixture import GroupedExperts
 from moe import MoEModel
@@ -72,28 +73,33 @@ def test_packed_experts_match_and_save_dense_stacks():
     assert all(torch.equal(experts.state_dict()[k], v) for k, v in state.items())
 
 
-def test_onednn_and_torch_kernels_give_the_same_answer_and_save_the_same_weights(tmp_path):
+@pytest.mark.parametrize("kernels", ["auto", "onednn"])
+def test_cpu_kernels_give_the_torch_answer_and_save_the_same_weights(tmp_path, kernels):
     prompts = [[1, 45, 312, 9, 77], [1, 8, 8]]
     ids = torch.tensor([[1, 45, 312, 9, 77, 1000, 3, 4]])
     plain = MoEModel.from_pretrained(TRAINED, cpu_kernels="torch")
-    packed = MoEModel.from_pretrained(TRAINED)  # the default
-    assert packed.info.cpu_kernels == "onednn"
-    converted = [m for m in packed.engine.model.modules() if isinstance(m, Linear | GroupedExperts)]
-    assert all(isinstance(m.kernel.whole if isinstance(m.kernel, weights.Part) else m.kernel, weights.OneDNN)
+    fast = MoEModel.from_pretrained(TRAINED, cpu_kernels=kernels)
+    assert fast.info.cpu_kernels == kernels
+    if kernels == "auto":
+        assert MoEModel.from_pretrained(TRAINED).info.cpu_kernels == "auto"  # the default
+    fmt = weights.Streamed if kernels == "auto" and matvec.available() else weights.OneDNN
+    converted = [m for m in fast.engine.model.modules() if isinstance(m, Linear | GroupedExperts)]
+    assert all(isinstance(m.kernel.whole if isinstance(m.kernel, weights.Part) else m.kernel, fmt)
                for m in converted if isinstance(m, Linear))
-    assert all(isinstance(w, weights.OneDNN) for m in converted if isinstance(m, GroupedExperts)
+    assert all(isinstance(w, fmt) for m in converted if isinstance(m, GroupedExperts)
                for pair in m.kernels for w in pair)
-    assert (packed(ids) - plain(ids)).abs().max().item() < 1e-4
-    assert packed.generate(prompts, max_new_tokens=24, ignore_eos=True) == plain.generate(
+    assert all(m.streamed == (fmt is weights.Streamed) for m in converted if isinstance(m, GroupedExperts))
+    assert (fast(ids) - plain(ids)).abs().max().item() < 1e-4
+    assert fast.generate(prompts, max_new_tokens=24, ignore_eos=True) == plain.generate(
         prompts, max_new_tokens=24, ignore_eos=True)
-    packed.save_pretrained(tmp_path / "out", max_shard_size=None)
+    fast.save_pretrained(tmp_path / "out", max_shard_size=None)
     saved = load_file(tmp_path / "out" / "model.safetensors")
     source = {k: v for f in sorted(TRAINED.glob("*.safetensors")) for k, v in load_file(f).items()}
     assert saved.keys() == source.keys() and all(torch.equal(saved[k], source[k]) for k in source)
 
 
 def test_unknown_kernels_are_refused():
-    with pytest.raises(ValueError, match="cpu_kernels='mkl': use one of onednn, torch"):
+    with pytest.raises(ValueError, match="cpu_kernels='mkl': use one of auto, onednn, torch"):
         MoEModel.from_pretrained(TRAINED, cpu_kernels="mkl")
 
 

@@ -27,6 +27,30 @@ def test_incremental_decode_equals_full_forward(model):
     assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-5
 
 
+def test_static_shape_decode_step_equals_the_growing_one(model):
+    """`decode_step` (slot as a tensor, the whole cache read under a mask) gives the logits of the forward pass with
+    the slot as an int, for left-padded prompts, past the sliding window, over a cache longer than needed."""
+    from models.attention import Padding
+    from moe.generation import left_pad
+
+    net = model.engine.model
+    tokens, pad = left_pad([[1, 4, 5, 6, 7, 8, 9], [1, 20, 21]])
+    padding = Padding.of(pad, "cpu")
+    growing, static = net.make_caches(2, 32), net.make_caches(2, 40)
+    for c in static.values():  # slots past the current one hold an earlier request's keys: they must not count
+        c.k.normal_()
+        c.v.normal_()
+    nxt = torch.tensor([[11], [12]])
+    with torch.inference_mode():
+        net(tokens, 0, growing, padding)
+        net(tokens, 0, static, padding)
+        for slot in range(7, 14):
+            want = net(nxt, slot, growing, padding, last_only=True)[:, -1]
+            got = net.decode_step(nxt, torch.tensor([slot]), static, padding.device_B)
+            assert (got - want).abs().max().item() < 1e-5, slot
+            nxt = want.argmax(-1, keepdim=True)
+
+
 def test_batch_of_different_lengths_equals_each_alone(model):
     prompts = [[1, 5, 9, 33], [1, 7, 8, 9, 10, 11, 12, 13, 14], [1, 100]]
     batched = model.generate(prompts, max_new_tokens=10, temperature=0)

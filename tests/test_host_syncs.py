@@ -1,12 +1,15 @@
 """Host syncs per decode step (invariant "one code path on every device"): at most one per MoE block on every
 rank (the exchange's split sizes, reused for the local experts' counts) and at most two per step for the
-sampled tokens. Counted by what each call is (`moe.bench.syncs`), so a CPU run checks what a GPU would pay."""
+sampled tokens. Counted by what each call is (`moe.bench.syncs`), so a CPU run checks what a GPU would pay:
+`cpu_kernels="torch"` runs the experts one by one, as a GPU does; the CPU's streaming kernel (the default) reads
+the counts inside the kernel, so its steps sync only for the tokens (and an all-to-all's split sizes)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from models import matvec
 from moe import MoEModel
 from moe.bench.collectives import count_decode_step
 from moe.bench.syncs import HostSyncCounter
@@ -27,16 +30,21 @@ def syncs_per_decode_step(engine, steps=(4, 12)) -> float:
 
 
 def test_one_rank_decode_step_syncs_once_per_block_and_once_for_the_tokens():
-    model = MoEModel.from_pretrained(SHIPPED)
+    model = MoEModel.from_pretrained(SHIPPED, cpu_kernels="torch")
     per_step = syncs_per_decode_step(model.engine)
     blocks = model.config.n_layers
     assert per_step <= blocks + 2
     assert per_step == blocks + 1  # exactly: the experts' counts in each block, and the sampled tokens
 
 
+@pytest.mark.skipif(not matvec.available(), reason="the streaming kernel could not be built")
+def test_one_rank_streamed_decode_step_syncs_only_for_the_tokens():
+    assert syncs_per_decode_step(MoEModel.from_pretrained(SHIPPED).engine) == 1
+
+
 @pytest.mark.multiprocess
 def test_two_rank_decode_step_syncs_once_per_block_on_every_rank():
-    for rank, got in enumerate(count_decode_step(str(SHIPPED), 2)):
+    for rank, got in enumerate(count_decode_step(str(SHIPPED), 2, kernels="torch")):
         # Every rank enters every block's exchange (the experts' counts: one sync each), plus the shared tokens.
         assert got["syncs"] <= got["blocks"] + 2, (rank, got)
         assert got["syncs"] == got["blocks"] + 1, (rank, got)
@@ -53,7 +61,7 @@ def test_the_counter_sees_what_would_block_on_a_gpu():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("exchange", ["auto", "all-to-all"])
 def test_two_rank_decode_step_makes_two_collectives_per_block_when_gathering(exchange):
-    for rank, got in enumerate(count_decode_step(str(SHIPPED), 2, exchange)):
+    for rank, got in enumerate(count_decode_step(str(SHIPPED), 2, exchange, kernels="torch")):
         calls, blocks = got["calls"], got["blocks"]
         if exchange == "auto":  # decode gathers: an all-gather and a reduce-scatter per block, nothing else
             assert calls["all_gather"] == calls["reduce_scatter"] == blocks, (rank, calls)

@@ -26,18 +26,18 @@ def test_quantization_is_per_output_channel_and_within_half_a_step():
     assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-12).all()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 9, 130])  # the int8 kernel (<= 4 rows) and the dequantizing path
+@pytest.mark.parametrize("rows", [1, 3, 9, 130])  # the streaming kernel (<= 8 rows) and the dequantizing path
 @torch.inference_mode()
 def test_int8_products_match_the_dequantized_weight(rows):
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 64, generator=g).bfloat16()
     x = torch.randn(rows, 64, generator=g).bfloat16()
-    int8 = weights.Int8(w)
-    want = F.linear(x.float(), int8.q.float() * int8.scale.float()[:, None])
+    int8 = weights.Int8.of(w)
+    want = F.linear(x.float(), int8.q.float() * int8.scale32[:, None])  # the exact dequantized product
     got = int8(x)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
-    # Both paths sum x*q in fp32; the many-row path rounds twice (the product, then the scaled result): within
-    # one bf16 step of each output.
+    # Both paths sum x*q in fp32 and scale in fp32; the many-row path rounds twice (the product, then the scaled
+    # result): within one bf16 step of each output.
     assert ((got.float() - want).abs() <= want.abs() * 2**-7 + 1e-6).all()
 
 
@@ -46,9 +46,9 @@ def test_an_int8_row_gets_the_same_result_whatever_rows_share_its_product():
     """A batch split over ranks (replicated attention) runs its rows through the other path: results agree to
     one bf16 rounding step (the kernel rounds once, the many-row product twice)."""
     g = torch.Generator().manual_seed(3)
-    int8 = weights.Int8(torch.randn(256, 128, generator=g).bfloat16())
+    int8 = weights.Int8.of(torch.randn(256, 128, generator=g).bfloat16())
     x = torch.randn(40, 128, generator=g).bfloat16()
-    alone = torch.cat([int8(x[i:i + 1]) for i in range(40)]).float()  # the int8 kernel, one row at a time
+    alone = torch.cat([int8(x[i:i + 1]) for i in range(40)]).float()  # the streaming kernel, one row at a time
     together = int8(x).float()  # 40 rows at once: the fp32 path
     assert ((together - alone).abs() <= alone.abs() * 2**-7 + 1e-6).all()
 
@@ -83,14 +83,22 @@ def test_int8_greedy_tokens_and_logits_follow_the_float_model(bf16_and_int8):
 
 def test_int8_weights_take_about_half_the_memory_of_bf16(bf16_and_int8):
     def linear_bytes(model: MoEModel) -> int:
+        """Bytes of the storages behind every linear weight (experts' weights are views of stacked ones)."""
         held = {}
         for module in model.engine.model.modules():
             for w in [getattr(module, "kernel", None), getattr(module, "wqkv", None),
                       *[x for pair in (getattr(module, "kernels", None) or []) for x in pair]]:
                 if isinstance(w, weights.Int8):
-                    held[id(w)] = w.q.nbytes + w.scale.nbytes
-                elif isinstance(w, weights.OneDNN | weights.Dense):
-                    held[id(w)] = w.dense().nbytes
+                    tensors = [w.q, w.scale, w.scale32]
+                elif isinstance(w, weights.Streamed | weights.Dense):
+                    tensors = [w.weight]
+                elif isinstance(w, weights.OneDNN):
+                    tensors = [w.packed]
+                else:
+                    continue
+                for t in tensors:
+                    storage = t.untyped_storage()
+                    held[storage.data_ptr()] = storage.nbytes()
         return sum(held.values())
 
     bf16, int8 = bf16_and_int8

@@ -48,17 +48,20 @@ class CollectiveCounter:
 DECODE_PROMPTS = [[1, 15, 27, 99, 7], [1, 300, 41, 8, 8]]  # equal lengths: decode steps only, no padding rows
 
 
-def count_decode_step(path: str, world_size: int, exchange: str = "auto", dtype: str = "float32") -> list[dict]:
+def count_decode_step(path: str, world_size: int, exchange: str = "auto", dtype: str = "float32",
+                      kernels: str = "auto") -> list[dict]:
     """Per rank: communication calls by kind and host syncs in one greedy decode step of 2 sequences on
-    `world_size` rank processes (a run of 12 new tokens minus a run of 4, divided by 8)."""
+    `world_size` rank processes (a run of 12 new tokens minus a run of 4, divided by 8). `kernels="torch"`
+    runs the experts one by one as GPUs do (their counts read on the host), "auto" the CPU's streaming kernel."""
     from moe.workers.group import run_ranks
 
     with tempfile.TemporaryDirectory() as out:
-        run_ranks(_count_on_rank, world_size, str(path), dtype, exchange, out)
+        run_ranks(_count_on_rank, world_size, str(path), dtype, exchange, kernels, out)
         return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
-def _count_on_rank(rank: int, world_size: int, port: int, path: str, dtype: str, exchange: str, out: str) -> None:
+def _count_on_rank(rank: int, world_size: int, port: int, path: str, dtype: str, exchange: str, kernels: str,
+                   out: str) -> None:
     from moe.bench.syncs import HostSyncCounter
     from moe.checkpoint.formats import detect
     from moe.generation import SamplingParams, generate_tokens
@@ -69,7 +72,7 @@ def _count_on_rank(rank: int, world_size: int, port: int, path: str, dtype: str,
     dist = init_process_group(rank, world_size, "127.0.0.1", port)
     cfg = detect(path).config
     plan = Placement.default(cfg.n_layers, cfg.n_experts, world_size)
-    engine, _ = load_shard(ShardSpec(path, dtype, plan.to_json(), exchange=exchange), dist)
+    engine, _ = load_shard(ShardSpec(path, dtype, plan.to_json(), cpu_kernels=kernels, exchange=exchange), dist)
     runs = []
     for n in (4, 12):
         with CollectiveCounter() as calls, HostSyncCounter() as syncs:

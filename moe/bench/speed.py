@@ -95,18 +95,20 @@ def decode_bytes_per_token(cfg: ModelConfig, element_size: int) -> int:
 
 
 def ours(path: str, gpus: int, dtype: str, threads: int, repeats: int, attention: str = "owner",
-         cpu_kernels: str = "onednn", exchange: str = "auto") -> dict:
+         cpu_kernels: str = "auto", exchange: str = "auto", compile: bool = False) -> dict:
     from moe import MoEModel
 
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     # N ranks share the same cores: each gets threads / N.
     model = MoEModel.from_pretrained(path, dtype=dtype, gpus=gpus, threads=max(1, threads // gpus),
-                                     attention=attention, cpu_kernels=cpu_kernels, exchange=exchange)
+                                     attention=attention, cpu_kernels=cpu_kernels, exchange=exchange, compile=compile)
     load = time.perf_counter() - t0
     V = model.config.vocab_size
     with model:
-        model.generate(prompts(1, 16, V), max_new_tokens=4, ignore_eos=True)  # warm-up
+        model.generate(prompts(1, 16, V), max_new_tokens=4, ignore_eos=True)  # warm-up (compiled: each batch size)
+        if compile:
+            model.generate(prompts(8, 16, V), max_new_tokens=4, ignore_eos=True)
         prefill, decode1, decode8, decode32, tokens8 = [], [], [], [], None
         for r in range(repeats):
             model.generate(prompts(1, PREFILL, V, r), max_new_tokens=1, ignore_eos=True)

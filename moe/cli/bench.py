@@ -5,10 +5,11 @@
     LLAMA_CPP_DIR=~/llama.cpp python scripts/bench.py --size small --dtype int8 --gpus 2 --against llama.cpp
 
 Builds a random checkpoint of the named size (kept in --workdir), then measures, each case in a fresh
-process on the same weights and thread count: this project on 1 rank (with its oneDNN kernels and with
-torch's plain ones) and on --gpus ranks (the automatic exchange, and all-to-all forced), and the peers named
-by --against: transformers' MixtralForCausalLM (when installed) and llama.cpp (`llama-bench` on the same
-weights converted to GGUF at the matching precision; moe.bench.llama_cpp). Figures are medians over --repeats
+process on the same weights and thread count: this project on 1 rank (its default kernels, the same with
+decode steps compiled, oneDNN-packed weights, torch's plain products) and on --gpus ranks (the automatic
+exchange, and all-to-all forced), and the peers named by --against: transformers' MixtralForCausalLM (when
+installed) and llama.cpp (`llama-bench` on the same weights converted to GGUF at the matching precision;
+moe.bench.llama_cpp). Figures are medians over --repeats
 runs. On N ranks it also counts, inside the rank processes, the collectives and host syncs of a decode step.
 
 Bounds: decode against memory bandwidth (weight bytes a step must read / step time), over the copy
@@ -73,9 +74,10 @@ def case_main(args: argparse.Namespace) -> None:
 
     if args.case.startswith("ours"):
         attention = "replicated" if args.case == "ours-replicated" else "owner"
-        kernels = "torch" if args.case == "ours-torch-kernels" else "onednn"
+        kernels = {"ours-torch-kernels": "torch", "ours-onednn": "onednn"}.get(args.case, "auto")
         exchange = "all-to-all" if args.case == "ours-all-to-all" else "auto"
-        result = ours(args.ckpt, args.gpus, args.dtype, args.threads, args.repeats, attention, kernels, exchange)
+        result = ours(args.ckpt, args.gpus, args.dtype, args.threads, args.repeats, attention, kernels, exchange,
+                      compile=args.case == "ours-compiled")
     else:
         result = transformers_case(args.ckpt, args.dtype, args.threads, args.repeats)
     print(json.dumps(result))
@@ -120,21 +122,24 @@ def print_table(rows: dict, b: dict) -> None:
               f"{100 * pre / b['prefill_onednn']:>7.0f}% {cell(ttft and ttft * 1e3, 6, '.0f')} {b1:>9.1f} "
               f"{100 * b1 / b['decode']:>5.0f}% {100 * b1 / b['decode_read']:>5.0f}% {cell(b8, 9, '.1f')} "
               f"{cell(rss, 14, '')}")
-    one = rows.get("ours x1")
-    if one:
-        b1 = 1 / one["decode1_step_s"]
-        print(f"headline: 1-rank decode at batch 1 runs at {b1:.1f} tok/s = {100 * b1 / b['decode_read']:.0f}% of "
-              f"the read-bandwidth bound ({b['decode_read']:.0f} tok/s)")
+    for name in ("ours x1", "ours-compiled x1"):
+        if name in rows:
+            b1 = 1 / rows[name]["decode1_step_s"]
+            print(f"headline: {name}: 1-rank decode at batch 1 runs at {b1:.1f} tok/s = "
+                  f"{100 * b1 / b['decode_read']:.0f}% of the read-bandwidth bound ({b['decode_read']:.0f} tok/s)")
 
 
 def print_peers(rows: dict) -> None:
-    one = rows.get("ours x1")
     for name, peer in rows.items():
-        if one and name.startswith("llama.cpp"):
-            print(f"vs {name}: decode b1 {peer['decode1_step_s'] / one['decode1_step_s']:.2f}x, prefill "
-                  f"{peer['prefill_s'] / one['prefill_s']:.2f}x (> 1: ours faster); llama-bench runs: decode "
-                  f"{', '.join(f'{x:.1f}' for x in peer['decode_samples'])} tok/s, prefill "
-                  f"{', '.join(f'{x:.0f}' for x in peer['prefill_samples'])} tok/s")
+        if not name.startswith("llama.cpp"):
+            continue
+        for ours_name in ("ours x1", "ours-compiled x1"):
+            one = rows.get(ours_name)
+            if one:
+                print(f"{ours_name} vs {name}: decode b1 {peer['decode1_step_s'] / one['decode1_step_s']:.2f}x, "
+                      f"prefill {peer['prefill_s'] / one['prefill_s']:.2f}x (> 1: ours faster)")
+        print(f"  llama-bench runs: decode {', '.join(f'{x:.1f}' for x in peer['decode_samples'])} tok/s, prefill "
+              f"{', '.join(f'{x:.0f}' for x in peer['prefill_samples'])} tok/s")
 
 
 def print_exchange_counts(path: Path, args: argparse.Namespace) -> None:
@@ -165,11 +170,11 @@ def print_comparisons(rows: dict, gpus: int, cfg) -> None:
               f"{32 / many['decode32_step_s']:.1f} tok/s at batch 8 / 32; replicated attention "
               f"{8 / replicated['decode8_step_s']:.1f} / {32 / replicated['decode32_step_s']:.1f} tok/s; greedy "
               f"tokens {'identical' if many['tokens8_hash'] == replicated['tokens8_hash'] else 'DIFFERENT'}")
-    if "ours-torch-kernels x1" in rows and one:
-        plain_kernels = rows["ours-torch-kernels x1"]
-        print(f"oneDNN vs torch kernels (1 rank): decode b1 "
-              f"{plain_kernels['decode1_step_s'] / one['decode1_step_s']:.2f}x, prefill "
-              f"{plain_kernels['prefill_s'] / one['prefill_s']:.2f}x")
+    for other, label in (("ours-onednn x1", "oneDNN-packed"), ("ours-torch-kernels x1", "torch")):
+        if other in rows and one:
+            print(f"default (streaming) kernels vs {label} kernels (1 rank): decode b1 "
+                  f"{rows[other]['decode1_step_s'] / one['decode1_step_s']:.2f}x, prefill "
+                  f"{rows[other]['prefill_s'] / one['prefill_s']:.2f}x")
     if "transformers x1" in rows and one:
         hf = rows["transformers x1"]
         print(f"vs transformers: decode b1 {hf['decode1_step_s'] / one['decode1_step_s']:.2f}x, decode b8 "
@@ -186,7 +191,8 @@ def main(args: argparse.Namespace) -> int:
         if not (path / "tokenizer.model").exists() and BENCH_TOKENIZER.exists():
             shutil.copy(BENCH_TOKENIZER, path / "tokenizer.model")  # llama.cpp's converter wants one
     bounds = machine_bounds(args, path)
-    impls = [("ours", 1)] + ([("ours-torch-kernels", 1)] if args.dtype != "int8" else [])
+    impls = [("ours", 1), ("ours-compiled", 1), ("ours-onednn", 1)]
+    impls += [("ours-torch-kernels", 1)] if args.dtype != "int8" else []
     if args.gpus > 1:
         impls += [("ours", args.gpus), ("ours-all-to-all", args.gpus), ("ours-replicated", args.gpus)]
     against = {a.strip() for a in args.against.split(",") if a.strip()}
@@ -240,7 +246,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="peers, comma-separated: transformers (when installed), llama.cpp (needs --llama-cpp DIR or "
                          "LLAMA_CPP_DIR: a llama.cpp tree with a built llama-bench)")
     ap.add_argument("--llama-cpp", default=None, metavar="DIR", help="llama.cpp source tree (default: $LLAMA_CPP_DIR)")
-    ap.add_argument("--case", choices=["ours", "ours-torch-kernels", "ours-all-to-all", "ours-replicated",
+    ap.add_argument("--case", choices=["ours", "ours-compiled", "ours-onednn", "ours-torch-kernels", "ours-all-to-all",
+                                       "ours-replicated",
                                        "transformers"],
                     help=argparse.SUPPRESS)
     return ap.parse_args(argv)

@@ -60,8 +60,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--exchange", choices=["auto", "all-to-all", "gather"], default="auto",
                     help="how token copies reach the experts' ranks: auto (default) gathers a decode step's few rows "
                          "to every rank (2 collectives per block) and uses all-to-all for prompts; or force one")
-    ap.add_argument("--cpu-kernels", choices=["onednn", "torch"], default="onednn",
-                    help="on CPU: linear weights packed for oneDNN (default, faster) or plain torch products")
+    ap.add_argument("--cpu-kernels", choices=["auto", "onednn", "torch"], default="auto",
+                    help="on CPU: auto (default) runs decode steps through the streaming kernel (built once per "
+                         "machine) and prompts through oneDNN; onednn packs every weight for oneDNN; torch: plain "
+                         "torch products")
+    ap.add_argument("--compile", action="store_true",
+                    help="one rank: run decode steps through torch.compile with static shapes (a CUDA graph on GPUs); "
+                         "the first step compiles (tens of seconds on a CPU)")
     ap.add_argument("--expert-load", default=None, metavar="DIR",
                     help="after generating, write an expert-load report (JSON, CSV, PNG) to DIR")
     ap.add_argument("--master-port", type=int, default=None,
@@ -101,7 +106,7 @@ def generate(args: argparse.Namespace) -> int:
     model = MoEModel.from_pretrained(args.ckpt, dtype=args.dtype, device=args.device, gpus=args.gpus, placement=plan,
                                      master_port=args.master_port, threads=args.threads, progress=not args.quiet,
                                      attention=args.attention, cpu_kernels=args.cpu_kernels, timeout_s=args.timeout,
-                                     exchange=args.exchange)
+                                     exchange=args.exchange, compile=args.compile)
     load_s = time.perf_counter() - t0
     with model:
         run_and_print(model, args, prompts, load_s, say_from(model.rank))

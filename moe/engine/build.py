@@ -19,7 +19,7 @@ def build_model(directory: str | Path, dtype: str | torch.dtype | None = None, d
                 prune: Callable[[Transformer], None] | None = None,
                 progress: Progress | None = None,
                 kernels: str | None = None) -> tuple[Transformer, CheckpointFormat, dict]:
-    """`kernels` ("onednn" or "torch"; see `models.weights`): an inference model, its linear weights converted
+    """`kernels` ("auto", "onednn" or "torch"; see `models.weights`): an inference model, its linear weights converted
     to their fastest format block by block as they are read; `dtype="int8"` (inference only) quantizes them."""
     ckpt = detect(directory)
     int8 = dtype == INT8

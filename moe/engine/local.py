@@ -1,4 +1,5 @@
-"""The one-rank engine: the whole model in this process."""
+"""The one-rank engine: the whole model in this process; with `compile`, decode steps run compiled
+(`moe.engine.compiled`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from models.attention import KVCache, Padding
 from models.transformer import Transformer
 from moe.checkpoint.distributed_save import save_distributed
+from moe.engine.compiled import CompiledDecode
 from moe.generation import GenerationResult, SamplingParams, generate_tokens
 from moe.memory import MemoryUse
 from moe.parallel.distributed import single_process
@@ -18,10 +20,11 @@ from moe.reports.counters import local_load_stats, reset_load_stats, set_round_r
 
 
 class LocalEngine:
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Transformer, compile: bool = False) -> None:
         self.model = model
         self.caches: dict[str, KVCache] | None = None
         self.padding: Padding | None = None
+        self.compiled = CompiledDecode(model) if compile else None
 
     @property
     def device(self) -> torch.device:
@@ -29,12 +32,18 @@ class LocalEngine:
 
     # -- stepping (moe.generation.Stepper) ---------------------------------------------------------
     def start(self, batch: int, length: int, pad_B: torch.Tensor) -> None:
-        self.caches = self.model.make_caches(batch, length)
+        if self.compiled is not None:
+            self.caches = self.compiled.caches_for(batch, length)
+        else:
+            self.caches = self.model.make_caches(batch, length)
         self.padding = Padding.of(pad_B, self.device)
 
     @torch.inference_mode()
     def forward_last(self, tokens_BS: torch.Tensor, start: int) -> torch.Tensor:
-        return self.model(tokens_BS.to(self.device), start, self.caches, self.padding, last_only=True)[:, -1]
+        tokens_BS = tokens_BS.to(self.device)
+        if self.compiled is not None and tokens_BS.shape[1] == 1:  # a decode step: every shape static
+            return self.compiled(tokens_BS, start, self.padding.device_B if self.padding is not None else None)
+        return self.model(tokens_BS, start, self.caches, self.padding, last_only=True)[:, -1]
 
     def share(self, decided: torch.Tensor) -> torch.Tensor:
         return decided  # one rank: it decided everything itself
@@ -75,3 +84,5 @@ class LocalEngine:
 
     def close(self) -> None:
         self.caches = None
+        if self.compiled is not None:
+            self.compiled.caches = None

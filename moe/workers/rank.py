@@ -41,7 +41,7 @@ class ShardSpec:
     placement: dict  # Placement.to_json(), already validated by the parent
     progress: bool = False  # rank 0 shows checkpoint reading progress
     attention: str = "owner"  # "owner": layer placement; "replicated": every rank attends for its batch slice
-    cpu_kernels: str = "onednn"  # see MoEModel.from_pretrained
+    cpu_kernels: str = "auto"  # see MoEModel.from_pretrained
     device: str = "cpu"  # "cuda" (NCCL, GPU `rank` of this machine) or "cpu" (gloo); chosen by the parent
     timeout_s: float = DEFAULT_TIMEOUT_S  # how long a collective waits for the slowest rank
     exchange: str = "auto"  # the experts' exchange: "auto" (gather for decode), "all-to-all", "gather"

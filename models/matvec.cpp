@@ -1,0 +1,149 @@
+// Grouped matrix-vector products that stream their weights: the CPU kernel of a decode step.
+//
+// y[n] = scale[e] * (w[e] @ x[n]) for the rows n of group e, where x's rows come grouped: counts[0] rows for
+// w[0], then counts[1] for w[1], ... Rows past the last group come out as zeros; a group with no rows reads
+// nothing. A decode step has a few rows per weight, so the product is bound by reading the weight: each thread
+// streams a contiguous range of weight rows once, one row at a time, against every activation row of the group
+// (they stay in L1), with 4 x 8 fp32 accumulators. Each output is summed in the same order
+// whatever the number of rows or threads, so a row's result does not depend on its batch.
+//
+// Built on first use by models/matvec.py (torch.utils.cpp_extension, with -fopenmp so that at::parallel_for
+// runs on torch's own OpenMP threads). Weights: fp32, bf16 or int8 (with per-row fp32 scales); activations
+// fp32 or bf16, accumulated in fp32; the output has the activations' dtype.
+
+#include <ATen/Functions.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MOE_MATVEC_AVX2 1
+#endif
+
+namespace {
+
+inline float widen(float v) { return v; }
+inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float widen(int8_t v) { return static_cast<float>(v); }
+
+#ifdef MOE_MATVEC_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
+  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+inline __m256 load8(const int8_t* p) {
+  __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+}
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// sum_i w[i] * x[i]: one weight row read front to back (a single stream the prefetcher follows), 4 x 8 lanes.
+template <typename W>
+inline float dot(const W* w, const float* x, int64_t in) {
+  int64_t i = 0;
+  float s = 0.f;
+#ifdef MOE_MATVEC_AVX2
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (; i + 32 <= in; i += 32) {
+    a0 = _mm256_fmadd_ps(load8(w + i), _mm256_loadu_ps(x + i), a0);
+    a1 = _mm256_fmadd_ps(load8(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+    a2 = _mm256_fmadd_ps(load8(w + i + 16), _mm256_loadu_ps(x + i + 16), a2);
+    a3 = _mm256_fmadd_ps(load8(w + i + 24), _mm256_loadu_ps(x + i + 24), a3);
+  }
+  s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#endif
+  for (; i < in; ++i) s += widen(w[i]) * x[i];  // the tail (or everything, without AVX2)
+  return s;
+}
+
+struct Group {
+  int64_t expert, first_row, n_rows;
+};
+
+// Work items are (group, weight row) pairs; each thread takes a contiguous range, so it streams contiguous
+// weight rows, and every activation row of the group meets a weight row while it is in L1.
+template <typename W, typename Out>
+void run(const float* x, const W* w, const float* scale, const std::vector<Group>& groups, int64_t out_features,
+         int64_t in_features, Out* y) {
+  const int64_t work = out_features * static_cast<int64_t>(groups.size());
+  at::parallel_for(0, work, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const Group& g = groups[item / out_features];
+      const int64_t row = item % out_features, at = g.expert * out_features + row;
+      const W* wr = w + at * in_features;
+      const float s = scale != nullptr ? scale[at] : 1.f;
+      for (int64_t m = 0; m < g.n_rows; ++m) {
+        const float v = dot(wr, x + (g.first_row + m) * in_features, in_features);
+        y[(g.first_row + m) * out_features + row] = static_cast<Out>(scale != nullptr ? v * s : v);
+      }
+    }
+  });
+}
+
+at::Tensor grouped_matvec(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& counts,
+                          const std::optional<at::Tensor>& scale) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(2),
+              "grouped_matvec: x [N, in] and w [E, out, in], got ", x.sizes(), " and ", w.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "grouped_matvec: x fp32 or bf16");
+  TORCH_CHECK(w.is_contiguous(), "grouped_matvec: w must be contiguous");
+  const int64_t n = x.size(0), experts = w.size(0), out_features = w.size(1), in_features = w.size(2);
+  std::vector<Group> groups;
+  if (counts.has_value()) {
+    TORCH_CHECK(counts->dim() == 1 && counts->size(0) == experts && counts->scalar_type() == at::kLong,
+                "grouped_matvec: counts [E] int64");
+    const at::Tensor c = counts->contiguous();
+    const int64_t* cp = c.data_ptr<int64_t>();
+    int64_t first = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+      TORCH_CHECK(cp[e] >= 0 && first + cp[e] <= n, "grouped_matvec: counts exceed the rows of x");
+      if (cp[e] > 0) groups.push_back({e, first, cp[e]});
+      first += cp[e];
+    }
+  } else {
+    TORCH_CHECK(experts == 1, "grouped_matvec: counts are needed for more than one weight");
+    if (n > 0) groups.push_back({0, 0, n});
+  }
+  const float* sp = nullptr;
+  at::Tensor s;
+  if (scale.has_value()) {
+    s = scale->to(at::kFloat).contiguous();
+    TORCH_CHECK(s.numel() == experts * out_features, "grouped_matvec: scale [E, out]");
+    sp = s.data_ptr<float>();
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::zeros({n, out_features}, x.options());
+  auto dispatch_out = [&](auto* wp) {
+    if (x.scalar_type() == at::kFloat) {
+      run(xf.data_ptr<float>(), wp, sp, groups, out_features, in_features, y.data_ptr<float>());
+    } else {
+      run(xf.data_ptr<float>(), wp, sp, groups, out_features, in_features, y.data_ptr<c10::BFloat16>());
+    }
+  };
+  switch (w.scalar_type()) {
+    case at::kFloat: dispatch_out(w.data_ptr<float>()); break;
+    case at::kBFloat16: dispatch_out(w.data_ptr<c10::BFloat16>()); break;
+    case at::kChar: dispatch_out(w.data_ptr<int8_t>()); break;
+    default: TORCH_CHECK(false, "grouped_matvec: weights fp32, bf16 or int8, got ", w.scalar_type());
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(moe_cpu, m) {
+  m.def("grouped_matvec(Tensor x, Tensor w, Tensor? counts, Tensor? scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(moe_cpu, CPU, m) { m.impl("grouped_matvec", grouped_matvec); }

@@ -1,0 +1,39 @@
+"""`compile=True`: decode steps through torch.compile with static shapes give the eager tokens, reuse their
+graph and cache from one request to the next, and are refused where they do not run (oneDNN-packed weights,
+several ranks)."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe import MoEModel
+from tests.checkpoints import TRAINED
+
+pytestmark = pytest.mark.slow  # the first step compiles (tens of seconds on a CPU)
+PROMPTS = [[1, 45, 312, 9, 77], [1, 8, 8]]  # different lengths: left padding in the compiled step
+
+
+def test_compiled_decode_gives_the_eager_tokens_and_compiles_once():
+    from torch._dynamo.utils import counters
+
+    eager = MoEModel.from_pretrained(TRAINED)
+    compiled = MoEModel.from_pretrained(TRAINED, compile=True)
+    assert compiled.info.compiled and not eager.info.compiled
+    want = eager.generate(PROMPTS, max_new_tokens=24, ignore_eos=True)
+    assert compiled.generate(PROMPTS, max_new_tokens=24, ignore_eos=True) == want
+    graphs = counters["stats"]["unique_graphs"]
+    other = [[1, 700, 12, 13], [1, 99]]  # another request of the same batch size: same cache, same graph
+    assert compiled.generate(other, max_new_tokens=30, ignore_eos=True) == eager.generate(other, max_new_tokens=30,
+                                                                                            ignore_eos=True)
+    assert counters["stats"]["unique_graphs"] == graphs
+    sampled = dict(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=3)
+    assert compiled.generate(["And God said"], **sampled) == eager.generate(["And God said"], **sampled)
+
+
+def test_compile_is_refused_where_it_cannot_run():
+    with pytest.raises(ValueError, match="cannot trace oneDNN-packed weights"):
+        MoEModel.from_pretrained(TRAINED, compile=True, cpu_kernels="onednn")
+    with pytest.raises(ValueError, match="runs on one rank for now"):
+        MoEModel.from_pretrained(TRAINED, compile=True, gpus=2)
+    with pytest.raises(ValueError, match="compile must be True or False"):
+        MoEModel.from_pretrained(TRAINED, compile="yes")

@@ -1,0 +1,85 @@
+"""The streaming CPU kernel (models/matvec.cpp) against a naive loop: every weight and activation dtype, grouped
+rows, rows past the groups, a row's result independent of its batch, and the experts' grouped decode path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import matvec
+from models.mixture import GroupedExperts
+
+pytestmark = pytest.mark.skipif(not matvec.available(), reason=f"kernel not built: {matvec.why_unavailable()}")
+
+
+def naive(x, w, counts, scale):
+    """y[n] = scale[e] * w[e] @ x[n] for the rows of group e, in fp32; zeros past the groups."""
+    y = torch.zeros(x.shape[0], w.shape[1])
+    n = 0
+    for e, c in enumerate(counts):
+        for _ in range(c):
+            y[n] = w[e].float() @ x[n].float() * (scale[e] if scale is not None else 1)
+            n += 1
+    return y
+
+
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [512, 100, 31])  # whole 32-lane blocks, a tail, only a tail
+@torch.inference_mode()
+def test_grouped_products_match_a_naive_loop(w_dtype, x_dtype, width):
+    g = torch.Generator().manual_seed(width)
+    shape, N = (3, 37, width), 7  # 3 weights of 37 rows
+    w = torch.randn(shape, generator=g) if w_dtype != torch.int8 else torch.randint(-127, 128, shape, generator=g)
+    w = w.to(w_dtype)
+    x = torch.randn(N, width, generator=g).to(x_dtype)
+    counts = [2, 0, 4]  # the middle weight gets no row; the 7th row belongs to no group
+    scale = torch.rand(shape[:2], generator=g) if w_dtype == torch.int8 else None
+    got = matvec.grouped(x, w, torch.tensor(counts), scale)
+    want = naive(x, w, counts, scale)
+    assert got.dtype == x_dtype and got.shape == (N, shape[1])
+    tol = 1e-5 if x_dtype == torch.float32 else 8e-3  # fp32 sums in another order; bf16: one rounding of the result
+    assert torch.allclose(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+    assert got[6].eq(0).all()
+    # One row alone gives the same bits as in its group and batch.
+    alone = matvec.grouped(x[3:4], w[2:3], None, scale[2:3] if scale is not None else None)
+    assert torch.equal(alone[0], got[3])
+
+
+def test_counts_that_exceed_the_rows_are_refused():
+    with pytest.raises(RuntimeError, match="counts exceed the rows"):
+        matvec.grouped(torch.zeros(2, 8), torch.zeros(2, 4, 8), torch.tensor([2, 1]))
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@torch.inference_mode()
+def test_streamed_experts_match_the_per_expert_path(int8):
+    torch.manual_seed(0)
+    experts = GroupedExperts(64, 96, [3, 5, 6])
+    for p in experts.parameters():
+        p.data.normal_(0, 0.2)
+    if int8:
+        experts.to(torch.bfloat16)
+    experts.prepare_weights("auto", int8=int8)
+    assert experts.streamed and (experts.scales is not None) == int8
+    x = torch.randn(7, 64).to(experts.stacks[1].dtype if not int8 else torch.bfloat16)
+    counts = torch.tensor([2, 0, 4])
+    grouped = experts(x, counts)  # 7 rows <= MAX_ROWS: one grouped call per weight
+    per_expert = torch.cat([weights_pair_swiglu(experts, e, x[a:b]) for e, (a, b) in ((0, (0, 2)), (2, (2, 6)))])
+    assert torch.equal(grouped[:6], per_expert)  # the same kernel per row, so the same bits
+    assert grouped[6].eq(0).all()
+
+
+def weights_pair_swiglu(experts, e, x):
+    from models.mixture import fused_swiglu
+
+    return fused_swiglu(x, *experts.kernels[e])
+
+
+@torch.inference_mode()
+def test_the_op_compiles_in_a_full_graph():
+    w = torch.randn(2, 16, 64)
+    x = torch.randn(3, 64)
+    counts = torch.tensor([1, 2])
+    step = torch.compile(lambda x: torch.relu(matvec.grouped(x, w, counts)) * 2, fullgraph=True)
+    assert torch.equal(step(x), torch.relu(matvec.grouped(x, w, counts)) * 2)
