@@ -26,6 +26,9 @@ SOURCE = Path(__file__).with_name("matvec.cpp")
 # Up to this many rows per weight the kernel runs (a decode step, small batches); more rows (prompts) are bound
 # by arithmetic and go to oneDNN or MKL.
 MAX_ROWS = 8
+# A block's experts share the rows of a step: up to this many copies (a decode batch of 16 at top-2) they run as
+# one grouped call. Inside a compiled step every product takes the kernel, whatever its rows (no graph breaks).
+EXPERT_MAX_ROWS = 4 * MAX_ROWS
 _why = ""  # why the kernel is unavailable, once `available()` said so
 
 

@@ -79,7 +79,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor | list[int]) -> torch.Tensor:
         """x_ND holds counts_El[0] copies for stacked expert 0, then counts_El[1] for expert 1, ...
         A dispatcher that already read the counts on the host passes them as a list."""
-        if self.streamed and x_ND.shape[0] <= matvec.MAX_ROWS:
+        if self.streamed and (x_ND.shape[0] <= matvec.EXPERT_MAX_ROWS or torch.compiler.is_compiling()):
             return self.streamed_forward(x_ND, torch.as_tensor(counts_El))
         if self.offsets_on_device and self.stacks is not None and isinstance(counts_El, torch.Tensor):
             return self.grouped(x_ND, counts_El)

@@ -62,9 +62,9 @@ class Dense(LinearWeight):
 
 
 class Streamed(LinearWeight):
-    """The plain weight, read by the streaming kernel for a few rows; prompts go to oneDNN (fp32: from the plain
-    weight, within 3-15% of its packed layout from 64 rows on) or to MKL (bf16, which oneDNN runs only on CPUs
-    with bf16 instructions)."""
+    """The plain weight, read by the streaming kernel for a few rows. Prompts go to oneDNN from the plain weight
+    (fp32, or bf16 on CPUs with bf16 instructions; 0-35% slower than its packed layout from 64 rows on, the price
+    of holding one copy), or, bf16 without those instructions, widened to fp32 first (`cpu_kernels.widened`)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight, self.out_features = weight.detach().contiguous(), weight.shape[0]
@@ -72,10 +72,12 @@ class Streamed(LinearWeight):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] <= matvec.MAX_ROWS:
+        if x2.shape[0] <= matvec.MAX_ROWS or torch.compiler.is_compiling():  # a compiled step: one op, any rows
             out = matvec.grouped(x2, self.weight[None])
         elif self.onednn:
             out = cpu_kernels.linear(x2, self.weight)
+        elif x2.dtype == torch.bfloat16 and not cpu_kernels.native_bf16():
+            out = cpu_kernels.widened(x2, self.weight).to(x.dtype)
         else:
             out = F.linear(x2, self.weight)
         return out.view(*x.shape[:-1], self.out_features)
@@ -108,11 +110,13 @@ class Int8(LinearWeight):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if self.stream and x2.shape[0] <= matvec.MAX_ROWS:
+        if self.stream and (x2.shape[0] <= matvec.MAX_ROWS or torch.compiler.is_compiling()):
             out = matvec.grouped(x2, self.q[None], None, self.scale32[None])
         elif x.device.type == "cpu" and x2.shape[0] <= INT8_KERNEL_MAX_ROWS:
             out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.q, self.scale)
-        else:  # many rows, or a GPU (never run on CUDA)
+        elif x.device.type == "cpu" and not cpu_kernels.native_bf16():  # many rows, no bf16 instructions
+            out = (cpu_kernels.widened(x2, self.q) * self.scale32).to(x.dtype)
+        else:  # many rows with bf16 instructions, or a GPU (never run on CUDA)
             out = (F.linear(x2, self.q.to(x.dtype)).float() * self.scale32).to(x.dtype)
         return out.view(*x.shape[:-1], self.out_features)
 
