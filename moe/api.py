@@ -71,6 +71,22 @@ class ModelInfo:
                    loaded_peak_mib=each("loaded_peak_mib"))
 
 
+def check_options(gpus: int, cpu_kernels: str, attention: str, exchange: str, compile: bool) -> None:
+    """`from_pretrained`'s choices, each refused in one line before anything is loaded or started."""
+    if not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus must be a positive integer, got {gpus!r}")
+    if cpu_kernels not in KERNELS:
+        raise ValueError(f"cpu_kernels={cpu_kernels!r}: use one of {', '.join(KERNELS)}")
+    if attention not in ATTENTION_MODES:
+        raise ValueError(f"attention={attention!r}: use one of {', '.join(ATTENTION_MODES)}")
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange={exchange!r}: use one of {', '.join(EXCHANGES)}")
+    if compile not in (True, False):
+        raise ValueError(f"compile must be True or False, got {compile!r}")
+    if compile and cpu_kernels == "onednn":
+        raise ValueError("compile=True cannot trace oneDNN-packed weights: use cpu_kernels='auto' or 'torch'")
+
+
 class MoEModel:
     def __init__(self, engine: Engine, config: ModelConfig, tokenizer: Tokenizer | None, info: ModelInfo) -> None:
         self.engine, self.config, self._tokenizer, self.info = engine, config, tokenizer, info
@@ -111,18 +127,7 @@ class MoEModel:
         tok_path = Path(path) / "tokenizer.model"
         tokenizer = Tokenizer(tok_path) if tok_path.exists() else None
         dtype_name = parse_precision(dtype, ckpt.torch_dtype)
-        if not isinstance(gpus, int) or gpus < 1:
-            raise ValueError(f"gpus must be a positive integer, got {gpus!r}")
-        if cpu_kernels not in KERNELS:
-            raise ValueError(f"cpu_kernels={cpu_kernels!r}: use one of {', '.join(KERNELS)}")
-        if attention not in ATTENTION_MODES:
-            raise ValueError(f"attention={attention!r}: use one of {', '.join(ATTENTION_MODES)}")
-        if exchange not in EXCHANGES:
-            raise ValueError(f"exchange={exchange!r}: use one of {', '.join(EXCHANGES)}")
-        if compile not in (True, False):
-            raise ValueError(f"compile must be True or False, got {compile!r}")
-        if compile and cpu_kernels == "onednn":
-            raise ValueError("compile=True cannot trace oneDNN-packed weights: use cpu_kernels='auto' or 'torch'")
+        check_options(gpus, cpu_kernels, attention, exchange, compile)
         base = dict(format=ckpt.fmt, dtype=dtype_name, cpu_kernels=cpu_kernels, attention=attention, exchange=exchange)
         joined = from_torchrun(device, timeout_s)
         if compile and (gpus > 1 or placement is not None or joined is not None):
