@@ -9,13 +9,14 @@ inside the kernel: no sort of weights, no loop over experts in Python, no host r
 
 `grouped(x_ND, w_EOI, counts_E, scale_EO)`: y[n] = scale[e] * (w[e] @ x[n]) for the rows of expert e (rows
 grouped, counts[e] of them; rows past the last group are zeros). `available()` builds the kernel on first use
-(torch.utils.cpp_extension: a C++ compiler and ninja; about 20 s, once per machine, kept in torch's extension
-cache) and says whether it can run; without it the weights fall back to oneDNN or torch's products.
+(torch.utils.cpp_extension: a C++ compiler and ninja; about 20 s, once per torch installation, kept in torch's
+extension cache) and says whether it can run; without it the weights fall back to oneDNN or torch's products.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -42,7 +43,8 @@ def _simd_flags() -> tuple[str, list[str]]:
 
 @functools.cache
 def available() -> bool:
-    """Build (once per machine) and load the kernel; False where it cannot be built (reason: `why_unavailable`)."""
+    """Build (once per torch installation) and load the kernel; False where it cannot be built (reason:
+    `why_unavailable`)."""
     global _why
     if sys.platform != "linux" or os.environ.get("MOE_MATVEC", "1") == "0":
         _why = "disabled (MOE_MATVEC=0)" if sys.platform == "linux" else f"not built on {sys.platform}"
@@ -51,9 +53,10 @@ def available() -> bool:
         from torch.utils import cpp_extension
 
         flavour, flags = _simd_flags()
-        name = f"moe_matvec_{flavour}"
+        name = f"moe_matvec_{flavour}_{_build_key()}"
         if not _built(cpp_extension, name):
-            print("building the CPU decode kernel (models/matvec.cpp), once per machine: about 20 s", file=sys.stderr)
+            print("building the CPU decode kernel (models/matvec.cpp), once per torch installation: about 20 s",
+                  file=sys.stderr)
         cpp_extension.load(name=name, sources=[str(SOURCE)], is_python_module=False,
                            extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: the model still runs, on oneDNN/MKL
@@ -61,6 +64,14 @@ def available() -> bool:
         return False
     _register_fake()
     return True
+
+
+def _build_key() -> str:
+    """The source and the torch install it builds against (torch's own cache rebuilds, silently, when either
+    changes; a name of their own makes each build once, and announced)."""
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update(f"{torch.__version__}:{Path(torch.__file__).parent}".encode())
+    return key.hexdigest()[:12]
 
 
 def _built(cpp_extension, name: str) -> bool:

@@ -154,7 +154,7 @@ class Part(LinearWeight):
 
 
 def streams(weight: torch.Tensor) -> bool:
-    """The streaming kernel reads this weight: on a CPU where it could be built (once per machine)."""
+    """The streaming kernel reads this weight: on a CPU where it could be built (once per torch installation)."""
     return weight.device.type == "cpu" and not weight.is_meta and matvec.available()
 
 

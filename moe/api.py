@@ -113,7 +113,7 @@ class MoEModel:
         is found within seconds regardless.
         `attention="replicated"` gives every rank the dense weights and its own slice of the batch (for
         throughput on batches); the experts stay placed. `cpu_kernels="auto"` (on CPU) runs decode steps through
-        the project's streaming matrix-vector kernel (built once per machine, `models.matvec`) and prompts
+        the project's streaming matrix-vector kernel (built once per torch installation, `models.matvec`) and prompts
         through oneDNN; "onednn" keeps linear weights in oneDNN's packed layout for every product (what "auto"
         falls back to without a C++ compiler); "torch" keeps plain tensors and `F.linear`. `dtype="int8"`: int8
         weights quantized at load (per output channel), bf16 activations. `compile=True` (one rank) runs decode
