@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import sys
 from pathlib import Path
 
@@ -46,8 +45,8 @@ def available() -> bool:
     """Build (once per torch installation) and load the kernel; False where it cannot be built (reason:
     `why_unavailable`)."""
     global _why
-    if sys.platform != "linux" or os.environ.get("MOE_MATVEC", "1") == "0":
-        _why = "disabled (MOE_MATVEC=0)" if sys.platform == "linux" else f"not built on {sys.platform}"
+    if sys.platform != "linux":
+        _why = f"not built on {sys.platform}"
         return False
     try:
         from torch.utils import cpp_extension

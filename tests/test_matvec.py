@@ -3,11 +3,16 @@ rows, rows past the groups, a row's result independent of its batch, and the exp
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from models import matvec
 from models.mixture import GroupedExperts
+from tests.checkpoints import ROOT, TRAINED
 
 pytestmark = pytest.mark.skipif(not matvec.available(), reason=f"kernel not built: {matvec.why_unavailable()}")
 
@@ -83,3 +88,28 @@ def test_the_op_compiles_in_a_full_graph():
     counts = torch.tensor([1, 2])
     step = torch.compile(lambda x: torch.relu(matvec.grouped(x, w, counts)) * 2, fullgraph=True)
     assert torch.equal(step(x), torch.relu(matvec.grouped(x, w, counts)) * 2)
+
+
+BUILD = "from models import matvec; print(matvec.available())"
+
+
+@pytest.mark.slow
+def test_a_fresh_torch_install_builds_once_and_says_so(tmp_path):
+    """A new extension cache (as in a new virtual environment): one notice and a build, then a quiet load."""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", BUILD], capture_output=True, text=True, env=env, cwd=ROOT)
+            for _ in range(2)]
+    assert [r.stdout.strip() for r in runs] == ["True", "True"], runs[0].stderr
+    assert "building the CPU decode kernel" in runs[0].stderr
+    assert "building" not in runs[1].stderr
+
+
+def test_without_the_kernel_auto_falls_back_to_onednn_with_the_same_tokens(monkeypatch):
+    from models import weights
+    from moe import MoEModel
+
+    want = MoEModel.from_pretrained(TRAINED).generate([[1, 45, 312]], max_new_tokens=16)
+    monkeypatch.setattr(matvec, "available", lambda: False)  # as where no C++ compiler is found
+    fallback = MoEModel.from_pretrained(TRAINED)
+    assert fallback.info.cpu_kernels == "auto" and isinstance(fallback.engine.model.output.kernel, weights.OneDNN)
+    assert fallback.generate([[1, 45, 312]], max_new_tokens=16) == want
