@@ -2,10 +2,11 @@
 
 Why a kernel of our own: a decode step is bound by reading weights, and none of torch's CPU products streams them
 at the memory's read rate for a few rows. Measured on a 2-core AMD EPYC (AVX2), one row against 40 distinct
-weights, 2 threads, read bandwidth 18-22 GB/s that day: 3584 x 512 fp32 this kernel 14.2 GB/s, oneDNN packed
-11.6, MKL (`F.linear`) 6.3, an inductor-compiled multiply-sum 12.5; 512 x 1792: 16.6-18.6 against 9.7, 10.9, 10.2
-(docs/benchmarks.md). It also takes the experts of a block as one stacked weight with per-expert row counts, read
-inside the kernel: no sort of weights, no loop over experts in Python, no host read of the counts.
+weights, 2 threads, read bandwidth 16-23 GB/s that day: 3584 x 512 fp32 this kernel 19.0 GB/s, oneDNN packed
+12.1, MKL (`F.linear`) 6.3, an inductor-compiled multiply-sum 12.5; bf16 16.3 against MKL's 10.6; int8 12.4
+against torch's int8 kernel's 6.8 (docs/benchmarks.md). It also takes the experts of a block as one stacked
+weight with per-expert row counts, read inside the kernel: no sort of weights, no loop over experts in Python, no
+host read of the counts.
 
 `grouped(x_ND, w_EOI, counts_E, scale_EO)`: y[n] = scale[e] * (w[e] @ x[n]) for the rows of expert e (rows
 grouped, counts[e] of them; rows past the last group are zeros). `available()` builds the kernel on first use
