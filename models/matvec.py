@@ -28,7 +28,7 @@ SOURCE = Path(__file__).with_name("matvec.cpp")
 # by arithmetic and go to oneDNN or MKL.
 MAX_ROWS = 8
 # A block's experts share the rows of a step: up to this many copies (a decode batch of 16 at top-2) they run as
-# one grouped call. Inside a compiled step every product takes the kernel, whatever its rows (no graph breaks).
+# one grouped call.
 EXPERT_MAX_ROWS = 4 * MAX_ROWS
 _why = ""  # why the kernel is unavailable, once `available()` said so
 
@@ -90,6 +90,12 @@ def _register_fake() -> None:
     @torch.library.register_fake("moe_cpu::grouped_matvec")
     def _(x, w, counts, scale):
         return x.new_empty((x.shape[0], w.shape[1]))
+
+
+def takes(rows: int, limit: int = MAX_ROWS) -> bool:
+    """A product of `rows` rows runs the kernel: up to `limit`, and any number inside a compiled step, where the
+    other paths (oneDNN's opaque weights, a host read of the experts' counts) would break the graph."""
+    return rows <= limit or torch.compiler.is_compiling()
 
 
 def grouped(x_ND: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor | None = None,

@@ -79,7 +79,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor | list[int]) -> torch.Tensor:
         """x_ND holds counts_El[0] copies for stacked expert 0, then counts_El[1] for expert 1, ...
         A dispatcher that already read the counts on the host passes them as a list."""
-        if self.streamed and (x_ND.shape[0] <= matvec.EXPERT_MAX_ROWS or torch.compiler.is_compiling()):
+        if self.streamed and matvec.takes(x_ND.shape[0], matvec.EXPERT_MAX_ROWS):
             return self.streamed_forward(x_ND, torch.as_tensor(counts_El))
         if self.offsets_on_device and self.stacks is not None and isinstance(counts_El, torch.Tensor):
             return self.grouped(x_ND, counts_El)
@@ -113,7 +113,7 @@ class GroupedExperts(nn.Module):
             self.kernels = [(fmt(self.stacks[0][e]), fmt(w2[e])) for e in experts]
             self.streamed = fmt is weights.Streamed
             self.offsets_on_device = w1.device.type == "cuda" and w1.dtype == torch.bfloat16  # _grouped_mm's case
-        elif fmt is weights.Int8 and kernels == "auto" and weights.streams(w1):  # quantized as stacks, likewise
+        elif fmt is weights.Int8 and weights.streams(w1, kernels):  # quantized as stacks, likewise
             q13, s13 = weights.quantize_each([torch.cat([w1[e], w3[e]]) for e in experts])
             q2, s2 = weights.quantize_each(list(w2))
             self.stacks, self.scales, self.streamed = (q13, q2), (s13, s2), True

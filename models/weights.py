@@ -72,7 +72,7 @@ class Streamed(LinearWeight):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] <= matvec.MAX_ROWS or torch.compiler.is_compiling():  # a compiled step: one op, any rows
+        if matvec.takes(x2.shape[0]):
             out = matvec.grouped(x2, self.weight[None])
         elif self.onednn:
             out = cpu_kernels.linear(x2, self.weight)
@@ -106,11 +106,11 @@ class Int8(LinearWeight):
 
     @classmethod
     def of(cls, weight: torch.Tensor, kernels: str = "auto") -> Int8:
-        return cls(*quantize(weight), weight.dtype, kernels == "auto" and streams(weight))
+        return cls(*quantize(weight), weight.dtype, streams(weight, kernels))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if self.stream and (x2.shape[0] <= matvec.MAX_ROWS or torch.compiler.is_compiling()):
+        if self.stream and matvec.takes(x2.shape[0]):
             out = matvec.grouped(x2, self.q[None], None, self.scale32[None])
         elif x.device.type == "cpu" and x2.shape[0] <= INT8_KERNEL_MAX_ROWS:
             out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.q, self.scale)
@@ -153,9 +153,10 @@ class Part(LinearWeight):
         return self.whole.dense()[self.start:self.stop]
 
 
-def streams(weight: torch.Tensor) -> bool:
-    """The streaming kernel reads this weight: on a CPU where it could be built (once per torch installation)."""
-    return weight.device.type == "cpu" and not weight.is_meta and matvec.available()
+def streams(weight: torch.Tensor, kernels: str) -> bool:
+    """The streaming kernel reads this weight: asked for ("auto"), on a CPU where it could be built (once per
+    torch installation)."""
+    return kernels == "auto" and weight.device.type == "cpu" and not weight.is_meta and matvec.available()
 
 
 def format_for(weight: torch.Tensor, kernels: str, int8: bool) -> type[LinearWeight]:
@@ -163,7 +164,7 @@ def format_for(weight: torch.Tensor, kernels: str, int8: bool) -> type[LinearWei
     where they run its dtype; else dense."""
     if int8:
         return Int8
-    if kernels == "auto" and weight.dtype in (torch.float32, torch.bfloat16) and streams(weight):
+    if weight.dtype in (torch.float32, torch.bfloat16) and streams(weight, kernels):
         return Streamed
     if kernels in ("auto", "onednn") and cpu_kernels.can_pack(weight):
         return OneDNN
