@@ -26,11 +26,12 @@ class Block(nn.Module):
     def attend(self, h_BSD: torch.Tensor, ctx: AttentionContext, cache: KVCache | None) -> torch.Tensor:
         return h_BSD + self.attention(self.attention_norm(h_BSD), ctx, cache)
 
+    def feed(self, h_BSD: torch.Tensor, decoding: bool, rows: torch.Tensor | None = None) -> torch.Tensor:
+        return add_feed_forward(h_BSD, self.ffn_norm(h_BSD), rows, lambda x: self.feed_forward(x, decoding=decoding))
+
     def forward(self, h_BSD: torch.Tensor, ctx: AttentionContext, cache: KVCache | None,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
-        h_BSD = self.attend(h_BSD, ctx, cache)
-        return add_feed_forward(h_BSD, self.ffn_norm(h_BSD), rows,
-                                lambda x: self.feed_forward(x, decoding=ctx.decoding))
+        return self.feed(self.attend(h_BSD, ctx, cache), ctx.decoding, rows)
 
 
 def add_feed_forward(h_BSD: torch.Tensor, x_BSD: torch.Tensor, rows: torch.Tensor | None, ffn) -> torch.Tensor:

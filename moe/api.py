@@ -30,10 +30,11 @@ from moe.parallel.devices import ranks_device
 from moe.parallel.distributed import DEFAULT_TIMEOUT_S, from_torchrun
 from moe.parallel.gather import EXCHANGES
 from moe.parallel.placement import Placement, resolve_placement
+from moe.parallel.strategies import ATTENTION_STRATEGIES, EXPERT_STRATEGIES
 from moe.progress import Progress
 from moe.reports.expert_load import ExpertLoadReport
 from moe.tokenizer import IncrementalDecoder, Tokenizer
-from moe.workers.rank import ATTENTION_MODES, ShardSpec, load_report
+from moe.workers.rank import ShardSpec, load_report
 
 
 @dataclass(frozen=True)
@@ -48,12 +49,14 @@ class ModelInfo:
     launch: str  # "local" (this process), "processes" (started here), "torchrun" (this process is one rank)
     rank: int = 0  # this process's rank: 0 unless under torchrun
     placement: Placement | None = None
-    attention: str = "owner"
+    attention: str = "layer"  # the shortcut asked for ("layer", "replicated", "tensor"); the plan has each block's
+    experts: str = "expert"  # "expert" or "tensor"
     exchange: str = "auto"  # how token copies reach experts on N ranks (moe.parallel.gather)
     compiled: bool = False  # decode steps run through torch.compile (one rank)
     load_seconds: list[float] = field(default_factory=list)  # per rank, reading its tensors
     bytes_read: list[int] = field(default_factory=list)  # per rank
     files_read: list[list[str]] = field(default_factory=list)  # per rank
+    tensors_read: list[dict[str, list[int]]] = field(default_factory=list)  # per rank: tensor -> shape read (a slice's)
     rank_params: list[list[str]] = field(default_factory=list)  # per rank, the parameters it holds
     pids: list[int] = field(default_factory=list)  # process id of each rank
     baseline_mib: list[float] = field(default_factory=list)  # per rank, memory before any weight was read
@@ -67,18 +70,21 @@ class ModelInfo:
 
         return cls(**base, **where, ranks=len(reports), backend=reports[0]["backend"],
                    load_seconds=each("load_seconds"), bytes_read=each("bytes_read"), files_read=each("files_read"),
+                   tensors_read=each("tensors_read"),
                    rank_params=each("params"), pids=each("pid"), baseline_mib=each("baseline_mib"),
                    loaded_peak_mib=each("loaded_peak_mib"))
 
 
-def check_options(gpus: int, cpu_kernels: str, attention: str, exchange: str, compile: bool) -> None:
+def check_options(gpus: int, cpu_kernels: str, attention: str, experts: str, exchange: str, compile: bool) -> None:
     """`from_pretrained`'s choices, each refused in one line before anything is loaded or started."""
     if not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus must be a positive integer, got {gpus!r}")
     if cpu_kernels not in KERNELS:
         raise ValueError(f"cpu_kernels={cpu_kernels!r}: use one of {', '.join(KERNELS)}")
-    if attention not in ATTENTION_MODES:
-        raise ValueError(f"attention={attention!r}: use one of {', '.join(ATTENTION_MODES)}")
+    if attention not in ATTENTION_STRATEGIES:
+        raise ValueError(f"attention={attention!r}: use one of {', '.join(ATTENTION_STRATEGIES)}")
+    if experts not in EXPERT_STRATEGIES:
+        raise ValueError(f"experts={experts!r}: use one of {', '.join(EXPERT_STRATEGIES)}")
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange={exchange!r}: use one of {', '.join(EXCHANGES)}")
     if compile not in (True, False):
@@ -96,9 +102,9 @@ class MoEModel:
     def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype | None = None, device: str = "auto",
                         gpus: int = 1, placement: Placement | str | Path | dict | None = None,
                         blocks_per_rank: list[int] | None = None, master_port: int | None = None,
-                        threads: int | None = None, progress: bool = False, attention: str = "owner",
+                        threads: int | None = None, progress: bool = False, attention: str = "layer",
                         cpu_kernels: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
-                        exchange: str = "auto", compile: bool = False) -> MoEModel:
+                        exchange: str = "auto", compile: bool = False, experts: str = "expert") -> MoEModel:
         """Load a Hugging Face or Mistral consolidated directory.
 
         `device`: "auto" (CUDA when there is a GPU for every rank, CPU when there is none), "cuda", "cpu"
@@ -111,8 +117,11 @@ class MoEModel:
         calls. `progress` shows checkpoint reading on rank 0 (a bar on a terminal, a line per file).
         `timeout_s` is how long a collective waits for the slowest rank (loading, saving); a rank that dies
         is found within seconds regardless.
-        `attention="replicated"` gives every rank the dense weights and its own slice of the batch (for
-        throughput on batches); the experts stay placed. `cpu_kernels="auto"` (on CPU) runs decode steps through
+        `attention` and `experts` shard every block one way over all N ranks (the placement file can say it per
+        block, `moe.parallel.strategies`): attention "layer" (one owner per block, default), "replicated" (every
+        rank holds the dense weights and runs its own slice of the batch) or "tensor" (heads split over the ranks);
+        experts "expert" (whole experts placed, default) or "tensor" (each expert's hidden dimension split).
+        `cpu_kernels="auto"` (on CPU) runs decode steps through
         the project's streaming matrix-vector kernel (built once per torch installation, `models.matvec`) and prompts
         through oneDNN; "onednn" keeps linear weights in oneDNN's packed layout for every product (what "auto"
         falls back to without a C++ compiler); "torch" keeps plain tensors and `F.linear`. `dtype="int8"`: int8
@@ -127,8 +136,9 @@ class MoEModel:
         tok_path = Path(path) / "tokenizer.model"
         tokenizer = Tokenizer(tok_path) if tok_path.exists() else None
         dtype_name = parse_precision(dtype, ckpt.torch_dtype)
-        check_options(gpus, cpu_kernels, attention, exchange, compile)
-        base = dict(format=ckpt.fmt, dtype=dtype_name, cpu_kernels=cpu_kernels, attention=attention, exchange=exchange)
+        check_options(gpus, cpu_kernels, attention, experts, exchange, compile)
+        base = dict(format=ckpt.fmt, dtype=dtype_name, cpu_kernels=cpu_kernels, attention=attention, experts=experts,
+                    exchange=exchange)
         joined = from_torchrun(device, timeout_s)
         if compile and (gpus > 1 or placement is not None or joined is not None):
             raise ValueError("compile=True runs on one rank for now (gpus=1, no torchrun, no placement)")
@@ -140,9 +150,8 @@ class MoEModel:
         if gpus == 1 and placement is None:
             return cls._load_here(path, cfg, tokenizer, base, device if device.startswith("cuda:") else kind,
                                   progress, compile)
-        plan = resolve_placement(placement, cfg.n_layers, cfg.n_experts, gpus, blocks_per_rank)
-        spec = ShardSpec(str(path), dtype_name, plan.to_json(), progress, attention, cpu_kernels, kind, timeout_s,
-                         exchange)
+        plan = resolve_placement(placement, cfg, gpus, blocks_per_rank, attention, experts)
+        spec = ShardSpec(str(path), dtype_name, plan.to_json(), progress, cpu_kernels, kind, timeout_s, exchange)
         return cls._start_ranks(spec, cfg, tokenizer, base, gpus, plan, master_port, threads)
 
     @classmethod
@@ -172,9 +181,9 @@ class MoEModel:
         if gpus not in (1, dist.world_size):
             raise ValueError(f"gpus={gpus}: under torchrun the ranks are torchrun's (WORLD_SIZE={dist.world_size}); "
                              "leave gpus out")
-        plan = resolve_placement(placement, cfg.n_layers, cfg.n_experts, dist.world_size, blocks_per_rank)
-        spec = ShardSpec(str(path), base["dtype"], plan.to_json(), progress, base["attention"], base["cpu_kernels"],
-                         dist.device.type, exchange=base["exchange"])
+        plan = resolve_placement(placement, cfg, dist.world_size, blocks_per_rank, base["attention"], base["experts"])
+        spec = ShardSpec(str(path), base["dtype"], plan.to_json(), progress, base["cpu_kernels"], dist.device.type,
+                         exchange=base["exchange"])
         baseline = peak_memory_mib(dist.device)
         engine, stats = load_shard(spec, dist)
         engine.owns_group = created  # a group another model of this job made stays for that model

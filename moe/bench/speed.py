@@ -97,7 +97,7 @@ def decode_bytes_per_token(cfg: ModelConfig, element_size: int) -> int:
     return (cfg.n_layers * per_block + D + cfg.vocab_size * D + D) * element_size  # + one embedding row
 
 
-def ours(path: str, gpus: int, dtype: str, threads: int, repeats: int, attention: str = "owner",
+def ours(path: str, gpus: int, dtype: str, threads: int, repeats: int, attention: str = "layer",
          cpu_kernels: str = "auto", exchange: str = "auto", compile: bool = False) -> dict:
     from moe import MoEModel
 

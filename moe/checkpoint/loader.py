@@ -8,6 +8,7 @@ and assign them. A rank never touches the bytes of blocks or experts it does not
 from __future__ import annotations
 
 import ctypes
+import math
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -108,6 +109,7 @@ class TensorReader:
         self.on_read = on_read  # bytes of each tensor read
         self.pinned: torch.Tensor | None = None  # staging buffer for reads that go to a GPU
         self.remaining: dict[Path, int] = {}
+        self.shapes_read: dict[str, list[int]] = {}  # what was read of each tensor: its shape, or its slice's
 
     def expect(self, names: list[str]) -> None:
         """The tensors about to be read, so progress can count files as they complete."""
@@ -134,27 +136,34 @@ class TensorReader:
             self.pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
         return self.pinned[:n].view(like.dtype).view(like.shape)
 
-    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+    def read_into(self, name: str, out: torch.Tensor, part: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """The tensor `name`, or with `part` = (dim, start, stop) only that slice of it (rows of any tensor, or
+        columns of a matrix: one read per row), into `out`."""
         if out.device.type != "cpu":
             host = self._staging(out)
-            self.read_into(name, host)
+            self.read_into(name, host, part)
             return out.copy_(host)  # from pinned memory; returns once copied, so the buffer is free again
         info = self.tensors[name]
         buf = writable_bytes(out)
-        if buf.nbytes != info.nbytes:
-            raise CheckpointError(f"{info.file.name}: tensor {name} holds {info.nbytes} bytes, "
-                                  f"its dtype and shape need {buf.nbytes}")
+        ranges = byte_ranges(info, part)
+        want = sum(n for _, n in ranges)
+        if buf.nbytes != want:
+            raise CheckpointError(f"{info.file.name}: tensor {name} holds {want} bytes"
+                                  f"{' in the slice read' if part else ''}, its dtype and shape need {buf.nbytes}")
+        got = 0
         try:
             if info.file not in self.handles:
                 self.handles[info.file] = self.stack.enter_context(open(info.file, "rb", buffering=0))
             f = self.handles[info.file]
-            f.seek(info.offset)
-            got = f.readinto(buf)
+            for offset, n in ranges:
+                f.seek(offset)
+                got += f.readinto(buf[got:got + n])
         except OSError as e:
             raise CheckpointError(f"{info.file.name}: cannot read tensor {name} ({e.strerror})") from None
-        if got != info.nbytes:
+        if got != want:
             raise CheckpointError(f"{info.file.name}: file is truncated inside tensor {name}")
         self.bytes_read += got
+        self.shapes_read[name] = list(out.shape)
         if self.on_read is not None:
             self.on_read(got)
         if info.file in self.remaining:
@@ -164,8 +173,31 @@ class TensorReader:
                 self.on_file_done(info.file, done, self.n_files)
         return out
 
-    def read(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
-        return self.read_into(name, self.empty(name, device=device))
+    def read(self, name: str, device: torch.device | str = "cpu", part: tuple[int, int, int] | None = None):
+        out = self.empty(name, device=device)
+        if part is not None:
+            dim, start, stop = part
+            out = out.narrow(dim, 0, stop - start).contiguous()
+        return self.read_into(name, out, part)
+
+
+def fraction(info: TensorInfo, part: tuple[int, int, int] | None) -> float:
+    """The share of a tensor's bytes that reading `part` of it reads."""
+    return 1.0 if part is None else (part[2] - part[1]) / info.shape[part[0]]
+
+
+def byte_ranges(info: TensorInfo, part: tuple[int, int, int] | None) -> list[tuple[int, int]]:
+    """(file offset, bytes) of each contiguous run of the tensor, or of its slice `part` = (dim, start, stop)."""
+    if part is None:
+        return [(info.offset, info.nbytes)]
+    dim, start, stop = part
+    shape, item = list(info.shape), info.nbytes // max(1, math.prod(info.shape))
+    if dim == 0:
+        row = math.prod(shape[1:]) * item
+        return [(info.offset + start * row, (stop - start) * row)]
+    assert dim == 1 and len(shape) == 2, (dim, shape)
+    row = shape[1] * item
+    return [(info.offset + r * row + start * item, (stop - start) * item) for r in range(shape[0])]
 
 
 def needed_sources(model: nn.Module, fmt: str, cfg) -> dict[str, list[str]]:
@@ -181,23 +213,29 @@ def needed_sources(model: nn.Module, fmt: str, cfg) -> dict[str, list[str]]:
 
 
 def read_parameter(reader: TensorReader, ckpt: CheckpointFormat, name: str, shape: torch.Size, names: list[str],
-                   by_source: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """One parameter from its checkpoint tensors `names` (a stacked expert parameter: one per held expert)."""
+                   by_source: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str,
+                   part: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """One parameter from its checkpoint tensors `names` (a stacked expert parameter: one per held expert), or
+    only the slice `part` of each (tensor parallelism, `moe.parallel.tensor`)."""
     if is_stacked_expert(name):
         if not names:
             return torch.empty(shape, dtype=dtype, device=device)
         t = reader.empty(names[0], (len(names),), device)  # one buffer, each expert read into its row
+        if part is not None:
+            t = torch.empty(shape, dtype=t.dtype, device=device)
         for row, source in enumerate(names):
-            reader.read_into(source, t[row])
+            reader.read_into(source, t[row], part)
         return t.to(device=device, dtype=dtype)  # no copy when already there
     source = names[0]
-    if source in by_source:  # tied embeddings: one tensor, two parameters
+    if source in by_source and part is None:  # tied embeddings: one tensor, two parameters
         return by_source[source]
-    t = reader.read(source, device)
+    t = reader.read(source, device, part)
     kind = needs_rope_permute(ckpt.fmt, name)
-    if kind is not None:
-        t = to_half_split(t, ckpt.config.n_heads if kind == "wq" else ckpt.config.n_kv_heads)
-    by_source[source] = t = t.to(device=device, dtype=dtype)
+    if kind is not None:  # per head, so a slice of whole heads converts alone
+        t = to_half_split(t, t.shape[0] // ckpt.config.head_dim)
+    t = t.to(device=device, dtype=dtype)
+    if part is None:
+        by_source[source] = t
     return t
 
 
@@ -217,6 +255,7 @@ def load_into(model: nn.Module, ckpt: CheckpointFormat, directory: str | Path, f
     check_names_and_shapes(ckpt, full_shapes, tensors)
     cfg = ckpt.config
     sources = needed_sources(model, ckpt.fmt, cfg)
+    slices = getattr(model, "slices", {})  # tensor parallelism: the slice of each split parameter (moe.parallel.tensor)
     state, by_source = {}, {}
 
     def file_done(path: Path, done: int, total: int) -> None:
@@ -227,7 +266,8 @@ def load_into(model: nn.Module, ckpt: CheckpointFormat, directory: str | Path, f
         reader = TensorReader(tensors, stack, file_done, progress.update)
         needed = sorted({s for names in sources.values() for s in names})
         reader.expect(needed)
-        stack.enter_context(progress.start(sum(tensors[n].nbytes for n in needed)))
+        reads = {(n, slices.get(ours)) for ours, names in sources.items() for n in names}  # tied: one read
+        stack.enter_context(progress.start(sum(tensors[n].nbytes * fraction(tensors[n], part) for n, part in reads)))
         unit = None
 
         def assign() -> None:  # the finished unit's tensors into the model (every name of the unit is in `state`)
@@ -243,8 +283,10 @@ def load_into(model: nn.Module, ckpt: CheckpointFormat, directory: str | Path, f
                 if unit is not None:
                     assign()
                 unit = this
-            state[name] = read_parameter(reader, ckpt, name, param.shape, sources[name], by_source, dtype, device)
+            state[name] = read_parameter(reader, ckpt, name, param.shape, sources[name], by_source, dtype, device,
+                                         slices.get(name))
         if unit is not None:
             assign()
         files_read = sorted(p.name for p in reader.handles)
-    return {"load_seconds": time.perf_counter() - t0, "bytes_read": reader.bytes_read, "files_read": files_read}
+    return {"load_seconds": time.perf_counter() - t0, "bytes_read": reader.bytes_read, "files_read": files_read,
+            "tensors_read": reader.shapes_read}

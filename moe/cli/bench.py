@@ -73,7 +73,7 @@ def case_main(args: argparse.Namespace) -> None:
     from moe.bench.speed import ours, transformers_case
 
     if args.case.startswith("ours"):
-        attention = "replicated" if args.case == "ours-replicated" else "owner"
+        attention = "replicated" if args.case == "ours-replicated" else "layer"
         kernels = {"ours-torch-kernels": "torch", "ours-onednn": "onednn"}.get(args.case, "auto")
         exchange = "all-to-all" if args.case == "ours-all-to-all" else "auto"
         result = ours(args.ckpt, args.gpus, args.dtype, args.threads, args.repeats, attention, kernels, exchange,

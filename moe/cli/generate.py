@@ -54,9 +54,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one, printed)")
     ap.add_argument("--blocks-per-rank", default=None,
                     help="comma-separated block counts per rank, e.g. 3,2,2,1 (default: balanced ranges)")
-    ap.add_argument("--attention", choices=["owner", "replicated"], default="owner",
-                    help="owner: each block's attention on one rank (layer placement, default); replicated: every "
-                         "rank holds the dense weights and runs its slice of the batch (throughput on batches)")
+    ap.add_argument("--attention", choices=["layer", "replicated", "tensor"], default="layer",
+                    help="every block's attention: layer: on one rank (layer placement, default); replicated: every "
+                         "rank holds the dense weights and runs its slice of the batch (throughput on batches); "
+                         "tensor: heads split over all ranks (one all-reduce per block)")
+    ap.add_argument("--experts", choices=["expert", "tensor"], default="expert",
+                    help="every block's experts: expert: whole experts placed over the ranks (default); tensor: each "
+                         "expert's hidden dimension split over all ranks (one all-reduce per block). Per-block "
+                         "strategies: a --placement file (README)")
     ap.add_argument("--exchange", choices=["auto", "all-to-all", "gather"], default="auto",
                     help="how token copies reach the experts' ranks: auto (default) gathers a decode step's few rows "
                          "to every rank (2 collectives per block) and uses all-to-all for prompts; or force one")
@@ -89,8 +94,8 @@ def generate(args: argparse.Namespace) -> int:
     kind = None if torchrun else ranks_device(args.device, ranks)  # checked before any table; torchrun: per machine
     plan = None
     if ranks > 1 or args.placement:
-        plan = resolve_placement(args.placement, cfg.n_layers, cfg.n_experts, ranks,
-                                 parse_blocks_per_rank(args.blocks_per_rank))
+        plan = resolve_placement(args.placement, cfg, ranks, parse_blocks_per_rank(args.blocks_per_rank),
+                                 args.attention, args.experts)
         say(plan.table())
         if args.attention == "replicated":
             say("attention replicated: every rank holds the embedding, all blocks' attention and the head, "
@@ -105,7 +110,7 @@ def generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     model = MoEModel.from_pretrained(args.ckpt, dtype=args.dtype, device=args.device, gpus=args.gpus, placement=plan,
                                      master_port=args.master_port, threads=args.threads, progress=not args.quiet,
-                                     attention=args.attention, cpu_kernels=args.cpu_kernels, timeout_s=args.timeout,
+                                     cpu_kernels=args.cpu_kernels, timeout_s=args.timeout,
                                      exchange=args.exchange, compile=args.compile)
     load_s = time.perf_counter() - t0
     with model:

@@ -42,9 +42,9 @@ def shard(args: argparse.Namespace) -> int:
     plan = None
     if args.placement:
         loaded = Placement.load(args.placement)
-        plan = resolve_placement(loaded, cfg.n_layers, cfg.n_experts, loaded.world_size)
+        plan = resolve_placement(loaded, cfg, loaded.world_size)
     elif args.gpus is not None:
-        plan = resolve_placement(None, cfg.n_layers, cfg.n_experts, args.gpus)
+        plan = resolve_placement(None, cfg, args.gpus)
     result = reshard(args.ckpt, args.out, parse_size(args.max_shard_size), plan,
                      Progress("writing", unit="B", enabled=not args.quiet))
     for fname, ranks in result["files"].items():

@@ -1,9 +1,11 @@
 """One rank's engine: runs its share of the model in lock-step with the other ranks.
 
-The blocks are walked in order on every rank: the owner attends and routes, every rank enters the
-block's expert exchange (with no rows when it owns none), hidden states move owner to owner. Every
-`Engine` call returns the same value on every rank, so a rank process and a torchrun process serve
-the same results.
+The blocks are walked in order on every rank. The hidden states live on a set of ranks (all holding the same
+values): a block's attention ranks (its owner, or its tensor group, which sums its heads by one all-reduce) attend;
+then either the group that splits every expert runs them and sums by one all-reduce, or the first attention rank
+routes and every rank enters the block's expert exchange (with no rows when it brings none). Between, the hidden
+states go by point-to-point sends to the ranks that need them and lack them. Every `Engine` call returns the same
+value on every rank, so a rank process and a torchrun process serve the same results.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class ShardedEngine:
         self.owns_group = False  # under torchrun the engine leaves the group on close()
         self.caches: dict[str, KVCache] = {}
         self.padding: Padding | None = None
-        self.my_blocks = placement.blocks_of(self.rank)
+        self.my_blocks = placement.attended_by(self.rank)
         cfg = model.cfg  # what a rank sends when it has no token of its own in a block: made once, not per step
         self.no_rows = (torch.empty(0, cfg.dim, dtype=dtype, device=dist.device),
                         torch.empty(0, cfg.top_k, device=dist.device),
@@ -48,11 +50,11 @@ class ShardedEngine:
     # -- stepping (moe.generation.Stepper) ---------------------------------------------------------
     def start(self, batch: int, length: int, pad_B: torch.Tensor) -> None:
         cfg = self.model.cfg
+        kv_heads = {str(i): self.model.layers[str(i)].attention.n_kv_heads for i in self.my_blocks}  # this rank's
         if self.dist.device.type == "cuda":  # the user's process cannot see this GPU's free memory: check here
-            self._check_kv_fits(batch * length * len(self.my_blocks) * 2 * cfg.n_kv_heads * cfg.head_dim
-                                * self.dtype.itemsize)
-        self.caches = {str(i): KVCache(batch, cfg.n_kv_heads, length, cfg.head_dim, self.dtype, self.dist.device)
-                       for i in self.my_blocks}
+            self._check_kv_fits(batch * length * sum(kv_heads.values()) * 2 * cfg.head_dim * self.dtype.itemsize)
+        self.caches = {name: KVCache(batch, n, length, cfg.head_dim, self.dtype, self.dist.device)
+                       for name, n in kv_heads.items()}
         self.padding = Padding.of(pad_B, self.dist.device)
 
     def _check_kv_fits(self, need: int) -> None:
@@ -78,16 +80,17 @@ class ShardedEngine:
     def device(self) -> torch.device:
         return self.dist.device
 
-    def _move(self, h: torch.Tensor | None, src: int, dst: int, shape: tuple[int, ...]) -> torch.Tensor | None:
-        """Hand the hidden states from one owner to the next; only those two ranks take part."""
-        if src == dst:
-            return h
-        if self.rank == src:
-            self.dist.send(h, dst)
+    def _move(self, h: torch.Tensor | None, src: tuple[int, ...], dst: tuple[int, ...],
+              shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The hidden states, held alike by the ranks `src`, onto the ranks `dst`: the first holder sends them to
+        each rank of `dst` that lacks them; holders outside `dst` let them go. Only those ranks take part."""
+        if self.rank == src[0]:
+            for d in dst:
+                if d not in src:
+                    self.dist.send(h, d)
+        if self.rank not in dst:
             return None
-        if self.rank == dst:
-            return self.dist.recv(shape, self.dtype, src)
-        return None
+        return h if self.rank in src else self.dist.recv(shape, self.dtype, src[0])
 
     @torch.inference_mode()
     def tokens_to_logits(self, tokens_BS: torch.Tensor, start: int, padding: Padding | None,
@@ -100,17 +103,23 @@ class ShardedEngine:
         h = self.model.tok_embeddings(tokens_BS.to(device)) if self.rank == p.embed_rank else None
         ctx = AttentionContext.build(cfg, B, S, start, padding, device, self.dtype) if self.my_blocks else None
         rows = real_token_rows(padding, S, start, device)
-        self.step.most = B * S  # a block's owner brings at most every token; the others none
-        holder = p.embed_rank
+        self.step.most = B * S  # a block's first attention rank brings at most every token; the others none
+        holders = (p.embed_rank,)
         for name, block in self.model.layers.items():
-            owner = p.block_ranks[int(name)]
-            h = self._move(h, holder, owner, shape)
-            holder = owner
-            if self.rank == owner:
-                h = block(h, ctx, caches[name] if caches is not None else None, rows)
-            else:  # not the owner: still take part in this block's exchanges, with no rows of our own
+            s = p.strategy(int(name))
+            h = self._move(h, holders, s.attention_ranks, shape)
+            holders = s.attention_ranks
+            if self.rank in holders:
+                h = block.attend(h, ctx, caches[name] if caches is not None else None)
+            # the experts: on the group that splits them all, or reached by the exchange from the first rank
+            experts_at = s.expert_groups[0] if s.local_tensor_experts else (s.leader,)
+            h = self._move(h, holders, experts_at, shape)
+            holders = experts_at
+            if self.rank in holders:
+                h = block.feed(h, start > 0, rows)
+            elif not s.local_tensor_experts:  # still take part in this block's exchanges, with no rows of our own
                 block.feed_forward.run_experts(*self.no_rows)
-        h = self._move(h, holder, p.head_rank, shape)
+        h = self._move(h, holders, (p.head_rank,), shape)
         if self.rank != self.head_rank:
             return None
         if last_only:

@@ -22,7 +22,9 @@ from moe.parallel.distributed import DistContext
 class SlotTable:
     """Where each expert of one block lives: its replicas as global slot ids."""
 
-    def __init__(self, expert_ranks: tuple[tuple[int, ...], ...], world_size: int) -> None:
+    def __init__(self, expert_ranks: tuple[tuple[int, ...], ...], world_size: int, split: bool = False) -> None:
+        """`split`: the ranks of an expert each hold a slice of it (experts by `tensor`) and every one of them
+        computes every copy; otherwise they are replicas and each copy goes to one of them."""
         local = [[e for e, ranks in enumerate(expert_ranks) if r in ranks] for r in range(world_size)]
         self.slots_per_rank = max(1, max(len(x) for x in local))
         self.n_replicas = torch.tensor([len(ranks) for ranks in expert_ranks])
@@ -32,12 +34,22 @@ class SlotTable:
                 table[e, j] = r * self.slots_per_rank + local[r].index(e)
         self.slot_of = table  # [E, max replicas]
         self.local = local  # global ids of the experts each rank holds, in slot order
-        self.replicated = bool((self.n_replicas > 1).any())
+        self.split = split
+        self.replicated = not split and bool((self.n_replicas > 1).any())
         self.seen = torch.zeros(len(expert_ranks), dtype=torch.long)  # copies routed so far, per expert
 
     def to(self, device: torch.device) -> SlotTable:
         self.n_replicas, self.slot_of, self.seen = (t.to(device) for t in (self.n_replicas, self.slot_of, self.seen))
         return self
+
+    def route(self, weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(router weight, slot) of every copy [T, J]: J = K, or K x group size when experts are split (a copy
+        per slice, each with the full router weight: the slices' results sum to the expert's)."""
+        T, K = ids_TK.shape
+        if self.split:
+            g = self.slot_of.shape[1]
+            return weights_TK[..., None].expand(T, K, g).reshape(T, K * g), self.slot_of[ids_TK].reshape(T, K * g)
+        return weights_TK, self.slots(ids_TK.reshape(-1)).view(T, K)
 
     def slots(self, ids_N: torch.Tensor) -> torch.Tensor:
         """Slot of each copy. A replicated expert's copies go round-robin over its replicas, continuing
@@ -111,7 +123,8 @@ class AllToAllDispatcher:
                  ids_TK: torch.Tensor) -> tuple[torch.Tensor, list[int], Exchanged]:
         """(rows for this rank's experts grouped by local expert, rows per local expert (host), metadata)."""
         R, M = self.dist.world_size, self.table.slots_per_rank
-        slot_N = self.table.slots(ids_TK.reshape(-1))
+        weights_TK, slot_TK = self.table.route(weights_TK, ids_TK)
+        slot_N = slot_TK.reshape(-1)
         order_N = torch.sort(slot_N, stable=True).indices  # grouped by slot = by destination rank, then expert
         send_RM = count_per_id(slot_N, R * M).view(R, M)
         recv_RM = self.dist.all_to_all(torch.empty_like(send_RM), send_RM)
@@ -123,7 +136,7 @@ class AllToAllDispatcher:
         per_expert = [sum(row[m] for row in recv_RM_host) for m in range(self.n_local)]
         self.last_split_sizes = (sent_R, received_R)
         self.received_rows += sum(received_R)
-        token_N = order_N // max(ids_TK.shape[1], 1)
+        token_N = order_N // max(slot_TK.shape[1], 1)
         rows = exchange(x_TD[token_N], received_R, sent_R, self.dist)  # [received, D], by (source, slot)
         by_slot = chunk_order(recv_RM, sum(received_R))
         meta = Exchanged(token_N, weights_TK.reshape(-1)[order_N], x_TD.shape[0], sent_R, received_R, by_slot)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ class DistContext:
     world_size: int
     device: torch.device
     backend: str  # "nccl", "gloo", or "none" for one rank without a process group
+    groups: dict = field(default_factory=dict, compare=False, repr=False)  # ranks -> process group (make_groups)
 
     @property
     def distributed(self) -> bool:
@@ -64,11 +65,20 @@ class DistContext:
             dist.broadcast(t, src)
         return t
 
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, in place."""
-        if self.distributed:
-            self._on_device(t)
-            dist.all_reduce(t)
+    def make_groups(self, groups: list[tuple[int, ...]]) -> None:
+        """Collective: the process groups of tensor-parallel groups, made once and in the same order on every
+        rank (torch.distributed needs every rank at every group's creation, members or not)."""
+        for ranks in sorted(set(groups)):
+            if self.distributed and ranks not in self.groups and 1 < len(ranks) < self.world_size:
+                self.groups[ranks] = dist.new_group(list(ranks))
+
+    def all_reduce(self, t: torch.Tensor, ranks: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Sum over ranks (all, or a group made by `make_groups`), in place."""
+        if not self.distributed or (ranks is not None and len(ranks) == 1):
+            return t
+        self._on_device(t)
+        group = None if ranks is None or len(ranks) == self.world_size else self.groups[ranks]
+        dist.all_reduce(t, group=group)
         return t
 
     def all_to_all(self, out: torch.Tensor, x: torch.Tensor, out_splits: list[int] | None = None,

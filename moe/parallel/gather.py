@@ -63,9 +63,9 @@ class ExchangeDispatcher(AllToAllDispatcher):
     def dispatch(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor):
         if not self.step.gather:
             return super().dispatch(x_TD, weights_TK, ids_TK)
-        R, M, K = self.dist.world_size, self.table.slots_per_rank, ids_TK.shape[1]
+        weights_TK, slot_TK = self.table.route(weights_TK, ids_TK)
+        R, M, K = self.dist.world_size, self.table.slots_per_rank, slot_TK.shape[1]
         most, T, D = self.step.most, x_TD.shape[0], x_TD.shape[1]
-        slot_TK = self.table.slots(ids_TK.reshape(-1)).view(T, K)
         x_RD, w_RK, slot_RK = unpack(self.dist.all_gather(pack(x_TD, weights_TK, slot_TK, most)), D, K, x_TD.dtype)
         # Copies for this rank's slots by local slot; every other copy gets slot M and sorts last.
         mine = slot_RK // M == self.dist.rank

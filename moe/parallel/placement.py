@@ -7,11 +7,13 @@ loads, what it computes, who talks to whom) is derived from it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from moe.parallel.strategies import BlockStrategy, StrategyError, validate_block
 
-class PlacementError(ValueError):
+
+class PlacementError(StrategyError):
     """The plan does not fit the model or the number of ranks; the message names the field."""
 
 
@@ -30,7 +32,9 @@ class Placement:
     embed_rank: int
     block_ranks: tuple[int, ...]  # owner of each block's attention, norms, router and KV cache
     head_rank: int
-    expert_ranks: tuple[tuple[tuple[int, ...], ...], ...]  # [block][expert] -> ranks holding a replica
+    expert_ranks: tuple[tuple[tuple[int, ...], ...], ...]  # [block][expert] -> ranks holding a replica (or,
+    # for experts split by `tensor`, the group that holds the expert's slices)
+    blocks: tuple[BlockStrategy, ...] | None = None  # per block; None: attention by layer, experts placed whole
 
     @classmethod
     def default(cls, n_layers: int, n_experts: int, world_size: int,
@@ -43,9 +47,40 @@ class Placement:
         experts = tuple(tuple((expert_owner[e],) for e in range(n_experts)) for _ in range(n_layers))
         return cls(world_size, 0, tuple(owners_from_sizes(sizes)), world_size - 1, experts)
 
+    def with_strategies(self, attention: str, experts: str) -> Placement:
+        """Every block's attention and experts by one strategy over all ranks (the API's and CLI's shortcuts):
+        attention "layer" keeps the owners, "replicated" and "tensor" use every rank; experts "expert" keep their
+        placement, "tensor" splits every expert over all ranks."""
+        everyone = tuple(range(self.world_size))
+        blocks, experts_at = [], []
+        for i, owner in enumerate(self.block_ranks):
+            ranks = (owner,) if attention == "layer" else everyone
+            groups = (everyone,) if experts == "tensor" else ()
+            blocks.append(BlockStrategy(attention, ranks, experts, groups))
+            experts_at.append(tuple(everyone for _ in self.expert_ranks[i]) if experts == "tensor"
+                              else self.expert_ranks[i])
+        if attention == "tensor":  # the last block's ranks all hold the result: the head beside the embedding
+            return replace(self, head_rank=self.embed_rank, blocks=tuple(blocks), expert_ranks=tuple(experts_at))
+        return replace(self, blocks=tuple(blocks), expert_ranks=tuple(experts_at))
+
+    def strategy(self, block: int) -> BlockStrategy:
+        if self.blocks is None:
+            return BlockStrategy("layer", (self.block_ranks[block],))
+        return self.blocks[block]
+
+    @property
+    def replicated(self) -> bool:
+        """Attention replicated over the batch (then in every block): each rank runs its slice of the batch."""
+        return self.blocks is not None and self.blocks[0].attention == "replicated"
+
+    @property
+    def whole_experts(self) -> list[int]:
+        """Blocks whose experts are placed whole (the ones a load-balancing planner may move)."""
+        return [i for i in range(len(self.block_ranks)) if self.strategy(i).experts == "expert"]
+
     # ---- validation and queries ----------------------------------------------------------------
 
-    def validate(self, n_layers: int, n_experts: int, world_size: int) -> Placement:
+    def validate(self, n_layers: int, n_experts: int, world_size: int, cfg=None) -> Placement:
         def rank_ok(field: str, r: int) -> None:
             if not isinstance(r, int) or not 0 <= r < world_size:
                 raise PlacementError(f"placement {field} = {r!r} is not a rank in 0..{world_size - 1}")
@@ -68,7 +103,25 @@ class Placement:
                     raise PlacementError(f"placement expert_ranks[{i}][{e}] = {list(ranks)} must list distinct ranks")
                 for r in ranks:
                     rank_ok(f"expert_ranks[{i}][{e}]", r)
+        if self.blocks is not None:
+            self._validate_blocks(n_layers, world_size, cfg)
         return self
+
+    def _validate_blocks(self, n_layers: int, world_size: int, cfg) -> None:
+        if len(self.blocks) != n_layers:
+            raise PlacementError(f"placement blocks has {len(self.blocks)} entries, the model {n_layers}: every "
+                                 "block needs an attention strategy")
+        for i, s in enumerate(self.blocks):
+            if cfg is not None:
+                validate_block(s, i, world_size, cfg)
+            if s.experts == "tensor":
+                for e, ranks in enumerate(self.expert_ranks[i]):
+                    if tuple(ranks) not in s.expert_groups:
+                        raise PlacementError(f"placement expert_ranks[{i}][{e}] = {list(ranks)} is not one of block "
+                                             f"{i}'s expert groups {[list(g) for g in s.expert_groups]}")
+        if len({s.attention == "replicated" for s in self.blocks}) > 1:
+            raise PlacementError("attention 'replicated' splits the batch over the ranks for the whole model: use it "
+                                 "for every block or for none")
 
     def local_experts(self, block: int, rank: int) -> list[int]:
         """Global ids of the experts of `block` that `rank` holds, ascending."""
@@ -77,17 +130,36 @@ class Placement:
     def blocks_of(self, rank: int) -> list[int]:
         return [i for i, r in enumerate(self.block_ranks) if r == rank]
 
+    def attended_by(self, rank: int) -> list[int]:
+        """The blocks whose attention (whole or some heads) and KV cache `rank` holds."""
+        return [i for i in range(len(self.block_ranks)) if rank in self.strategy(i).attention_ranks]
+
     # ---- files and display -----------------------------------------------------------------------
 
     def to_json(self) -> dict:
-        return {"world_size": self.world_size, "embed_rank": self.embed_rank, "block_ranks": list(self.block_ranks),
-                "head_rank": self.head_rank, "expert_ranks": [[list(r) for r in b] for b in self.expert_ranks]}
+        """The owners in `block_ranks`, or, with strategies, every block's strategy in `blocks` instead."""
+        out = {"world_size": self.world_size, "embed_rank": self.embed_rank, "head_rank": self.head_rank}
+        if self.blocks is None:
+            out["block_ranks"] = list(self.block_ranks)
+        else:
+            out["blocks"] = [s.to_json() for s in self.blocks]
+        return out | {"expert_ranks": [[list(r) for r in b] for b in self.expert_ranks]}
 
     @classmethod
     def from_json(cls, data: dict) -> Placement:
         try:
-            return cls(int(data["world_size"]), data["embed_rank"], tuple(data["block_ranks"]), data["head_rank"],
-                       tuple(tuple(tuple(r) for r in b) for b in data["expert_ranks"]))
+            world = int(data["world_size"])
+            blocks = None
+            if "blocks" in data:
+                if "block_ranks" in data:
+                    raise PlacementError("placement gives both block_ranks and blocks: say each block's attention "
+                                         "ranks in blocks only")
+                blocks = tuple(BlockStrategy.from_json(b, i, world) for i, b in enumerate(data["blocks"]))
+                owners = tuple(b.leader if b.attention_ranks else 0 for b in blocks)
+            else:
+                owners = tuple(data["block_ranks"])
+            return cls(world, data["embed_rank"], owners, data["head_rank"],
+                       tuple(tuple(tuple(r) for r in b) for b in data["expert_ranks"]), blocks)
         except (KeyError, TypeError) as e:
             raise PlacementError(f"placement JSON lacks or mistypes field {e}") from None
 
@@ -111,6 +183,14 @@ class Placement:
             held = sum(len(self.local_experts(i, r)) for i in range(len(self.block_ranks)))
             extra = " ".join(n for n, owner in (("embed", self.embed_rank), ("head", self.head_rank)) if owner == r)
             rows.append(f"{r:>4}  {blocks:<15}  {held:>28}  {extra}")
+        if self.blocks is not None:
+            rows += ["", "blocks  attention / experts"]
+            runs = [(i, self.blocks[i].describe()) for i in range(len(self.blocks))]
+            start = 0
+            for i in range(1, len(runs) + 1):  # consecutive blocks with one strategy on one line
+                if i == len(runs) or runs[i][1] != runs[start][1]:
+                    rows.append(f"{compress(list(range(start, i))):<6}  {runs[start][1]}")
+                    start = i
         return "\n".join(rows)
 
 
@@ -126,9 +206,12 @@ def compress(items: list[int]) -> str:
     return ",".join(parts)
 
 
-def resolve_placement(placement: Placement | str | Path | dict | None, n_layers: int, n_experts: int, ranks: int,
-                      blocks_per_rank: list[int] | None = None) -> Placement:
-    """A validated plan from a Placement, a JSON file, a dict, or the default (optionally per-rank block counts)."""
+def resolve_placement(placement: Placement | str | Path | dict | None, cfg, ranks: int,
+                      blocks_per_rank: list[int] | None = None, attention: str = "layer",
+                      experts: str = "expert") -> Placement:
+    """A validated plan from a Placement, a JSON file, a dict, or the default (optionally per-rank block counts),
+    with every block's strategies set by `attention` / `experts` when those are not the defaults."""
+    n_layers, n_experts = cfg.n_layers, cfg.n_experts
     if placement is None:
         plan = Placement.default(n_layers, n_experts, ranks, blocks_per_rank)
     elif isinstance(placement, Placement):
@@ -137,4 +220,9 @@ def resolve_placement(placement: Placement | str | Path | dict | None, n_layers:
         plan = Placement.from_json(placement)
     else:
         plan = Placement.load(placement)
-    return plan.validate(n_layers, n_experts, ranks)
+    if (attention, experts) != ("layer", "expert"):
+        if plan.blocks is not None:
+            raise PlacementError("the placement gives each block's strategies; leave attention= and experts= out")
+        plan.validate(n_layers, n_experts, ranks)
+        plan = plan.with_strategies(attention, experts)
+    return plan.validate(n_layers, n_experts, ranks, cfg)

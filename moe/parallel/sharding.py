@@ -1,8 +1,8 @@
 """Apply a placement to a finished single-device model, as gpt-fast's `apply_tp` or torchtitan's
-`apply_moe_ep_tp` do: drop what this rank does not hold, slice the experts, swap in the dispatcher.
+`apply_moe_ep_tp` do: drop what this rank does not hold, slice what it holds a part of, swap in the dispatchers.
 
-Works on a meta-device `Transformer` before loading, so the loader reads exactly this rank's tensors;
-parameter names stay global (`layers.17.*` on the rank that holds block 17).
+Works on a meta-device `Transformer` before loading, so the loader reads exactly this rank's tensors (or slices,
+`moe.parallel.tensor`); parameter names stay global (`layers.17.*` on the rank that holds block 17).
 """
 
 from __future__ import annotations
@@ -15,35 +15,62 @@ from moe.parallel.dispatch import AllToAllDispatcher, SlotTable
 from moe.parallel.distributed import DistContext
 from moe.parallel.gather import ExchangeDispatcher, StepRows
 from moe.parallel.placement import Placement
+from moe.parallel.tensor import TensorDispatcher, reduce_attention_output, split_attention, split_experts
 
 
 def apply_placement(model: Transformer, placement: Placement, rank: int) -> None:
-    """Layer placement: keep the embedding, blocks (attention, norms, router) and head this rank owns."""
-    if rank != placement.embed_rank:
-        model.tok_embeddings = None
-    if rank != placement.head_rank:
-        model.norm, model.output = None, None
+    """Keep the embedding, attention (whole or this rank's heads), norms, routers and head this rank runs."""
+    if not placement.replicated:  # replicated attention: every rank runs the whole dense model on its rows
+        if rank != placement.embed_rank:
+            model.tok_embeddings = None
+        if rank != placement.head_rank:
+            model.norm, model.output = None, None
     for name, block in model.layers.items():
-        if placement.block_ranks[int(name)] != rank:
-            block.attention_norm = block.attention = block.ffn_norm = None
-            block.feed_forward.gate = None
+        s = placement.strategy(int(name))
+        if rank not in s.attention_ranks:
+            block.attention_norm = block.attention = None
+        elif s.attention == "tensor":
+            split_attention(model, name, s.attention_ranks, rank)
+        # The router and its norm run where the block's tokens enter its experts: on every rank of a group that
+        # splits them locally, else on the rank that brings the tokens to the exchange.
+        group = s.expert_groups[0] if s.local_tensor_experts else ()
+        if not (rank in group or rank == s.leader or s.attention == "replicated"):
+            block.ffn_norm = block.feed_forward.gate = None
+        block.feed_forward.counts_load = rank == (group[0] if group else s.leader) or s.attention == "replicated"
     apply_expert_placement(model, placement, rank)
 
 
 def apply_expert_placement(model: Transformer, placement: Placement, rank: int,
                            device: torch.device | str = "meta") -> None:
-    """Keep only this rank's experts of every block (new, uninitialised, on `device`)."""
+    """Keep only this rank's experts of every block (new, uninitialised, on `device`), or its slices of them."""
     cfg = model.cfg
     for name, block in model.layers.items():
-        held = placement.local_experts(int(name), rank)
-        with torch.device(device):
-            block.feed_forward.experts = GroupedExperts(cfg.dim, cfg.hidden_dim, held)
+        i = int(name)
+        held = placement.local_experts(i, rank)
+        s = placement.strategy(i)
+        group = next((g for g in s.expert_groups if rank in g), None)
+        if s.experts == "tensor" and group is not None:
+            split_experts(model, name, group, rank, held, device)
+        else:
+            with torch.device(device):
+                block.feed_forward.experts = GroupedExperts(cfg.dim, cfg.hidden_dim, held)
 
 
-def use_all_to_all(model: Transformer, placement: Placement, dist: DistContext, step: StepRows | None = None) -> None:
-    """Route every block's token copies to the ranks holding their experts: always by all-to-all (training),
-    or, given the engine's `step`, by gathering when a step is small (`moe.parallel.gather`)."""
-    for name, block in model.layers.items():
-        table = SlotTable(placement.expert_ranks[int(name)], placement.world_size).to(dist.device)
+def connect_ranks(model: Transformer, placement: Placement, dist: DistContext, step: StepRows | None = None) -> None:
+    """Collective (makes the process groups of tensor-parallel groups). Each block's attention output summed over
+    its tensor group; its experts reached by an all-reduce over the group that splits them, or by the exchange:
+    always by all-to-all (training), or, given the engine's `step`, by gathering when a step is small
+    (`moe.parallel.gather`)."""
+    strategies = [placement.strategy(int(name)) for name in model.layers]
+    dist.make_groups([s.attention_ranks for s in strategies if s.attention == "tensor"]
+                     + [s.expert_groups[0] for s in strategies if s.local_tensor_experts])
+    for (name, block), s in zip(model.layers.items(), strategies, strict=True):
+        if s.attention == "tensor" and dist.rank in s.attention_ranks:
+            reduce_attention_output(model, name, s.attention_ranks, dist)
+        if s.local_tensor_experts:
+            block.feed_forward.dispatcher = TensorDispatcher(model.cfg.n_experts, s.expert_groups[0], dist)
+            continue
+        table = SlotTable(placement.expert_ranks[int(name)], placement.world_size, split=s.experts == "tensor")
+        table = table.to(dist.device)
         block.feed_forward.dispatcher = (AllToAllDispatcher(table, dist) if step is None
                                          else ExchangeDispatcher(table, dist, step))

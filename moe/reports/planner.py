@@ -40,11 +40,14 @@ def plan_block(loads_E: list[float], world_size: int, replicas: int) -> tuple[tu
 
 def plan_placement(counts_LE: torch.Tensor, world_size: int, replicas: int = 0,
                    base: Placement | None = None) -> Placement:
-    """Keep the block owners of `base` (default: balanced ranges); re-place every block's experts."""
+    """Keep the block owners and strategies of `base` (default: balanced ranges); re-place the experts of every
+    block whose experts are placed whole (experts split by `tensor` stay with their groups)."""
     L, E = counts_LE.shape
     base = base if base is not None and base.world_size == world_size else Placement.default(L, E, world_size)
-    experts = tuple(plan_block([float(x) for x in counts_LE[i].tolist()], world_size, replicas) for i in range(L))
-    return Placement(world_size, base.embed_rank, base.block_ranks, base.head_rank, experts)
+    whole = set(base.whole_experts)
+    experts = tuple(plan_block([float(x) for x in counts_LE[i].tolist()], world_size, replicas) if i in whole
+                    else base.expert_ranks[i] for i in range(L))
+    return Placement(world_size, base.embed_rank, base.block_ranks, base.head_rank, experts, base.blocks)
 
 
 def predicted_imbalance(counts_LE: torch.Tensor, placement: Placement) -> float:

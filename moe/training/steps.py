@@ -22,7 +22,7 @@ from models.config import ModelConfig
 from models.transformer import Transformer
 from moe.parallel.distributed import DistContext
 from moe.parallel.placement import Placement, PlacementError
-from moe.parallel.sharding import apply_expert_placement, use_all_to_all
+from moe.parallel.sharding import apply_expert_placement, connect_ranks
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def shard_experts(model: Transformer, placement: Placement, ctx: DistContext) ->
         raise PlacementError("training needs one replica per expert (replicas would need their own grad sync)")
     full = {name: block.feed_forward.experts for name, block in model.layers.items()}
     apply_expert_placement(model, placement, ctx.rank, device=ctx.device)
-    use_all_to_all(model, placement, ctx)
+    connect_ranks(model, placement, ctx)
     with torch.no_grad():
         for name, block in model.layers.items():
             local = block.feed_forward.experts

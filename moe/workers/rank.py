@@ -26,10 +26,9 @@ from moe.memory import peak_memory_mib
 from moe.parallel.distributed import DEFAULT_TIMEOUT_S, DistContext, init_process_group
 from moe.parallel.gather import StepRows
 from moe.parallel.placement import Placement
-from moe.parallel.sharding import apply_expert_placement, apply_placement, use_all_to_all
+from moe.parallel.sharding import apply_placement, connect_ranks
 from moe.progress import Progress
 
-ATTENTION_MODES = ("owner", "replicated")
 READY = 0  # the request id of the load report (moe.workers.group)
 HEARTBEAT_S = 2.0  # a rank busy with a request says so this often
 
@@ -40,29 +39,22 @@ class ShardSpec:
     dtype: str  # resolved by the parent: "float32", "bfloat16", "float16", "int8"
     placement: dict  # Placement.to_json(), already validated by the parent
     progress: bool = False  # rank 0 shows checkpoint reading progress
-    attention: str = "owner"  # "owner": layer placement; "replicated": every rank attends for its batch slice
     cpu_kernels: str = "auto"  # see MoEModel.from_pretrained
     device: str = "cpu"  # "cuda" (NCCL, GPU `rank` of this machine) or "cpu" (gloo); chosen by the parent
     timeout_s: float = DEFAULT_TIMEOUT_S  # how long a collective waits for the slowest rank
     exchange: str = "auto"  # the experts' exchange: "auto" (gather for decode), "all-to-all", "gather"
-
-    def __post_init__(self) -> None:
-        if self.attention not in ATTENTION_MODES:
-            raise ValueError(f"attention={self.attention!r}: use one of {', '.join(ATTENTION_MODES)}")
 
 
 def load_shard(spec: ShardSpec, dist: DistContext) -> tuple[ShardedEngine, dict]:
     """Build this rank's share of the model and the engine that runs it."""
     placement = Placement.from_json(spec.placement)
     torch_dtype = activation_dtype(spec.dtype)
-    replicated = spec.attention == "replicated"  # every rank keeps the dense weights; only experts are placed
-    prune = apply_expert_placement if replicated else apply_placement
-    engine_type = ReplicatedAttentionEngine if replicated else ShardedEngine
+    engine_type = ReplicatedAttentionEngine if placement.replicated else ShardedEngine
     progress = Progress.for_loading(enabled=spec.progress and dist.rank == 0)
     model, _, stats = build_model(spec.path, spec.dtype, dist.device, progress=progress,
-                                  prune=lambda m: prune(m, placement, dist.rank), kernels=spec.cpu_kernels)
+                                  prune=lambda m: apply_placement(m, placement, dist.rank), kernels=spec.cpu_kernels)
     step = StepRows(spec.exchange)
-    use_all_to_all(model, placement, dist, step)
+    connect_ranks(model, placement, dist, step)
     return engine_type(model, placement, dist, torch_dtype, step), stats
 
 

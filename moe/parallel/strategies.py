@@ -1,0 +1,145 @@
+"""How one block is sharded: its attention and its experts, each by one of the schools of sharding.
+
+Attention (with its norms and KV cache):
+- `layer`: one owner rank (layer placement, as Mistral's reference code splits layers over pipeline ranks);
+- `replicated`: every rank holds it and attends for its own slice of the batch (DeepSeek's data-parallel
+  attention); the whole model then runs batch-split, so it is all blocks or none;
+- `tensor`: the heads split evenly over a group of ranks (Megatron's column-parallel q/k/v, row-parallel output
+  and one all-reduce). With fewer KV heads than ranks, each KV head is held by every rank whose query heads use it.
+
+Experts:
+- `expert`: whole experts placed on ranks (with replicas), reached by the all-to-all or gathered exchange;
+- `tensor`: every expert's hidden dimension F split over a group (w1/w3 column-parallel, w2 row-parallel, one
+  all-reduce). With several groups, experts are placed whole over the groups and split inside each
+  (Megatron's expert-tensor parallelism): a token copy goes to every rank of its expert's group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ATTENTION_STRATEGIES = ("layer", "replicated", "tensor")
+EXPERT_STRATEGIES = ("expert", "tensor")
+
+
+class StrategyError(ValueError):
+    """A block's strategy does not fit the model or the ranks; the message names the block and the field."""
+
+
+@dataclass(frozen=True)
+class BlockStrategy:
+    attention: str = "layer"
+    attention_ranks: tuple[int, ...] = ()  # layer: (owner,); tensor: the group; replicated: every rank
+    experts: str = "expert"
+    expert_groups: tuple[tuple[int, ...], ...] = ()  # tensor: groups that each split F; expert: ()
+
+    @property
+    def leader(self) -> int:
+        """The attention rank that brings the block's tokens to an exchange (the owner, or a group's first)."""
+        return self.attention_ranks[0]
+
+    @property
+    def split_experts(self) -> int:
+        """Ranks each expert's F is split over (1: whole experts)."""
+        return len(self.expert_groups[0]) if self.experts == "tensor" else 1
+
+    @property
+    def local_tensor_experts(self) -> bool:
+        """Every expert split over one group that also holds the block's hidden states: local experts and one
+        all-reduce, no exchange (vLLM's layout for Mixtral). Otherwise copies travel by the exchange."""
+        return self.experts == "tensor" and len(self.expert_groups) == 1 and self.attention != "replicated"
+
+    def to_json(self) -> dict:
+        out: dict = {"attention": self.attention}
+        if self.attention != "replicated":
+            out["ranks"] = list(self.attention_ranks)
+        out["experts"] = self.experts
+        if self.experts == "tensor":
+            out["groups"] = [list(g) for g in self.expert_groups]
+        return out
+
+    @classmethod
+    def from_json(cls, data: object, block: int, world_size: int) -> BlockStrategy:
+        where = f"placement blocks[{block}]"
+        if not isinstance(data, dict) or "attention" not in data:
+            raise StrategyError(f"{where} has no attention strategy (one of {', '.join(ATTENTION_STRATEGIES)})")
+        try:
+            attention, experts = data["attention"], data.get("experts", "expert")
+            ranks = tuple(range(world_size)) if attention == "replicated" else tuple(data["ranks"])
+            groups = tuple(tuple(g) for g in data["groups"]) if experts == "tensor" else ()
+        except KeyError as e:
+            raise StrategyError(f"{where} lacks field {e} for attention {data.get('attention')!r} / experts "
+                                f"{data.get('experts', 'expert')!r}") from None
+        except TypeError:
+            raise StrategyError(f"{where}: ranks and groups must be lists of rank numbers") from None
+        return cls(attention, ranks, experts, groups)
+
+    def describe(self) -> str:
+        """'tensor[0,1] / expert' for tables and reports."""
+        attn = self.attention if self.attention == "replicated" else f"{self.attention}[{_ranks(self.attention_ranks)}]"
+        experts = "expert" if self.experts == "expert" else \
+            "tensor" + "".join(f"[{_ranks(g)}]" for g in self.expert_groups)
+        return f"{attn} / {experts}"
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    return ",".join(map(str, ranks))
+
+
+def validate_block(s: BlockStrategy, block: int, world_size: int, cfg) -> None:
+    """Every check that needs the model's shapes: a one-line error naming the block, before any rank starts."""
+    where = f"placement blocks[{block}]"
+    if s.attention not in ATTENTION_STRATEGIES:
+        raise StrategyError(f"{where}: attention {s.attention!r} is not one of {', '.join(ATTENTION_STRATEGIES)}")
+    if s.experts not in EXPERT_STRATEGIES:
+        raise StrategyError(f"{where}: experts {s.experts!r} is not one of {', '.join(EXPERT_STRATEGIES)}")
+    _check_group(s.attention_ranks, f"{where} attention ranks", world_size)
+    if s.attention == "layer" and len(s.attention_ranks) != 1:
+        raise StrategyError(f"{where}: attention 'layer' has one owner rank, got {list(s.attention_ranks)}")
+    if s.attention == "tensor":
+        g, H, G = len(s.attention_ranks), cfg.n_heads, cfg.n_kv_heads
+        if H % g or (G % g and g % G):
+            raise StrategyError(f"{where}: {H} query heads and {G} KV heads cannot be split evenly over {g} ranks "
+                                "(the heads must divide by the ranks, and the KV heads divide them or by them)")
+    if s.experts == "tensor":
+        if not s.expert_groups:
+            raise StrategyError(f"{where}: experts 'tensor' needs at least one group of ranks")
+        seen: set[int] = set()
+        for group in s.expert_groups:
+            _check_group(group, f"{where} expert group {list(group)}", world_size)
+            if seen & set(group):
+                raise StrategyError(f"{where}: expert groups {[list(x) for x in s.expert_groups]} share a rank")
+            seen |= set(group)
+        sizes = {len(group) for group in s.expert_groups}
+        if len(sizes) > 1:
+            raise StrategyError(f"{where}: expert groups {[list(x) for x in s.expert_groups]} differ in size")
+        if cfg.hidden_dim % sizes.pop():
+            raise StrategyError(f"{where}: the experts' hidden dimension {cfg.hidden_dim} cannot be split evenly "
+                                f"over {len(s.expert_groups[0])} ranks")
+    elif s.expert_groups:
+        raise StrategyError(f"{where}: groups are for experts 'tensor'; experts 'expert' are placed by expert_ranks")
+
+
+def _check_group(ranks: tuple[int, ...], what: str, world_size: int) -> None:
+    if not ranks or len(set(ranks)) != len(ranks):
+        raise StrategyError(f"{what} = {list(ranks)} must list distinct ranks")
+    for r in ranks:
+        if not isinstance(r, int) or not 0 <= r < world_size:
+            raise StrategyError(f"{what} names rank {r!r}, outside the world of ranks 0..{world_size - 1}")
+
+
+def head_slices(n_heads: int, n_kv_heads: int, size: int, index: int) -> tuple[range, range]:
+    """(query heads, KV heads) of member `index` of a tensor-parallel group of `size` ranks."""
+    per = n_heads // size
+    q = range(index * per, (index + 1) * per)
+    if n_kv_heads >= size:
+        kv_per = n_kv_heads // size
+        return q, range(index * kv_per, (index + 1) * kv_per)
+    kv = index // (size // n_kv_heads)  # fewer KV heads than ranks: the one KV head these query heads use
+    return q, range(kv, kv + 1)
+
+
+def hidden_slice(hidden_dim: int, size: int, index: int) -> range:
+    """The rows of w1/w3 (columns of w2) that member `index` of an expert group of `size` ranks holds."""
+    per = hidden_dim // size
+    return range(index * per, (index + 1) * per)

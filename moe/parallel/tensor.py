@@ -1,0 +1,84 @@
+"""Tensor parallelism (Megatron's school): a rank of a group keeps a slice of each matrix and every rank of the
+group works on every token; one all-reduce sums the slices' partial results.
+
+Applied to a meta-device model before loading, as `moe.parallel.sharding` does for the rest of a plan: the
+sliced modules are rebuilt with their local shapes, and `model.slices` says, per parameter, which slice of the
+checkpoint's tensor it holds (`name -> (dim, start, stop)`, on the per-expert tensor for stacked experts). The
+loader reads only those slices; a save reassembles whole tensors from them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.basic import Linear
+from models.mixture import GroupedExperts, LocalDispatcher, weighted_sum
+from models.transformer import Transformer
+from moe.parallel.distributed import DistContext
+from moe.parallel.strategies import head_slices, hidden_slice
+
+Slice = tuple[int, int, int]  # (dim, start, stop) of the checkpoint's tensor
+
+
+def slices_of(model: torch.nn.Module) -> dict[str, Slice]:
+    """The parameters of `model` that hold a slice, and which (empty for a model without tensor parallelism)."""
+    return getattr(model, "slices", {})
+
+
+def split_attention(model: Transformer, block: str, ranks: tuple[int, ...], rank: int) -> None:
+    """Keep this rank's query heads (and the KV heads they use): q/k/v by rows, the output projection by columns."""
+    cfg, attention = model.cfg, model.layers[block].attention
+    q, kv = head_slices(cfg.n_heads, cfg.n_kv_heads, len(ranks), ranks.index(rank))
+    Dh = cfg.head_dim
+    with torch.device("meta"):
+        attention.wq, attention.wo = Linear(cfg.dim, len(q) * Dh), Linear(len(q) * Dh, cfg.dim)
+        attention.wk, attention.wv = Linear(cfg.dim, len(kv) * Dh), Linear(cfg.dim, len(kv) * Dh)
+    attention.n_heads, attention.n_kv_heads = len(q), len(kv)
+    prefix = f"layers.{block}.attention."
+    model.slices = slices_of(model) | {
+        prefix + "wq.weight": (0, q.start * Dh, q.stop * Dh), prefix + "wk.weight": (0, kv.start * Dh, kv.stop * Dh),
+        prefix + "wv.weight": (0, kv.start * Dh, kv.stop * Dh), prefix + "wo.weight": (1, q.start * Dh, q.stop * Dh)}
+
+
+def split_experts(model: Transformer, block: str, group: tuple[int, ...], rank: int, held: list[int],
+                  device: torch.device | str = "meta") -> None:
+    """Keep this rank's slice of the hidden dimension of each expert it holds: w1/w3 rows, w2 columns."""
+    cfg = model.cfg
+    f = hidden_slice(cfg.hidden_dim, len(group), group.index(rank))
+    with torch.device(device):
+        model.layers[block].feed_forward.experts = GroupedExperts(cfg.dim, len(f), held)
+    prefix = f"layers.{block}.feed_forward.experts."
+    model.slices = slices_of(model) | {prefix + "w1": (0, f.start, f.stop), prefix + "w3": (0, f.start, f.stop),
+                                       prefix + "w2": (1, f.start, f.stop)}
+
+
+def reduce_attention_output(model: Transformer, block: str, ranks: tuple[int, ...], dist: DistContext) -> None:
+    """The row-parallel output projection's all-reduce, as a forward hook: the model's code stays single-device."""
+    def all_reduce(module, args, out: torch.Tensor) -> torch.Tensor:
+        return dist.all_reduce(out, ranks)
+
+    model.layers[block].attention.register_forward_hook(all_reduce)
+
+
+class TensorDispatcher(LocalDispatcher):
+    """Experts split over a group that holds every token: each rank runs its slice of every routed expert and one
+    all-reduce over the group sums the weighted partial results (no rows cross ranks)."""
+
+    def __init__(self, n_experts: int, ranks: tuple[int, ...], dist: DistContext) -> None:
+        super().__init__(n_experts)
+        self.ranks, self.dist = ranks, dist
+        self.received_rows = 0  # copies this rank computed its slice of (host-known sizes: no sync)
+
+    def dispatch(self, x_TD, weights_TK, ids_TK):
+        self.received_rows += ids_TK.numel()
+        return super().dispatch(x_TD, weights_TK, ids_TK)
+
+    def combine(self, y_ND: torch.Tensor, meta) -> torch.Tensor:
+        return self.dist.all_reduce(weighted_sum(y_ND, meta), self.ranks)
+
+    @property
+    def received(self) -> int:
+        return self.received_rows
+
+    def reset_received(self) -> None:
+        self.received_rows = 0
