@@ -71,3 +71,17 @@ def test_two_rank_decode_step_makes_two_collectives_per_block_when_gathering(exc
         assert calls["broadcast"] == 1  # the sampled tokens
         assert got["collectives"] == (2 if exchange == "auto" else 3) * blocks + 1
         assert got["syncs"] == blocks + 1  # the local experts' counts, and the tokens
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallel_decode_step_makes_one_all_reduce_for_attention_and_one_for_experts():
+    """vLLM's layout on 2 ranks: no exchange, no point-to-point move, every size fixed."""
+    dim = MoEModel.from_pretrained(SHIPPED).config.dim
+    for rank, got in enumerate(count_decode_step(str(SHIPPED), 2, strategy="tensor/tensor", kernels="torch")):
+        calls, blocks = got["calls"], got["blocks"]
+        assert calls["all_reduce"] == 2 * blocks and calls.get("send", 0) == 0, (rank, calls)
+        assert got["collectives"] == 2 * blocks + 1  # + the sampled tokens' broadcast
+        assert got["syncs"] == blocks + 1  # the local experts' counts (torch kernels), and the tokens
+        # a ring all-reduce of 2 ranks sends half the tensor twice: [1 token, dim] fp32 per all-reduce and token;
+        # the head's rank also broadcasts the step's tokens and stop flag (3 int64 for 2 tokens)
+        assert got["bytes_per_token"] - 2 * blocks * dim * 4 == (12 if rank == 1 else 0), (rank, got)

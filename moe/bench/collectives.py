@@ -2,7 +2,8 @@
 NCCL on GPUs, where each collective's cost is mostly its latency.
 
 `with CollectiveCounter() as c: ...` counts every `DistContext` call that moves tensors between ranks
-(collectives, and the point-to-point sends of layer placement) made in this process while it is open.
+(collectives, and the point-to-point sends of layer placement) made in this process while it is open, and the
+bytes this rank sends in them under the ring algorithms NCCL uses at these sizes (`bytes_sent`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,38 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broa
 POINT_TO_POINT = ("send", "recv")
 
 
+def bytes_sent(name: str, ctx: DistContext, args: tuple) -> float:
+    """Bytes this rank sends in one call: an all-reduce over g ranks 2(g-1)/g of the tensor, an all-gather its
+    input to g-1 ranks, a reduce-scatter (g-1)/g, an all-to-all the rows for other ranks, a send or a broadcast
+    from here the tensor once, a gather the tensor unless this rank gathers."""
+    t = args[1] if name == "all_to_all" else args[0] if args else None
+    if not hasattr(t, "element_size"):
+        return 0.0
+    size, world = t.numel() * t.element_size(), ctx.world_size
+    if name == "all_reduce":
+        g = len(args[1]) if len(args) > 1 and args[1] is not None else world
+        return 2 * (g - 1) / g * size
+    if name == "all_gather":
+        return (world - 1) * size
+    if name == "reduce_scatter":
+        return (world - 1) / world * size
+    if name == "all_to_all":
+        splits = args[3] if len(args) > 3 and args[3] is not None else None
+        if splits is None:
+            return (world - 1) / world * size
+        row = size / max(1, t.shape[0])
+        return sum(n for r, n in enumerate(splits) if r != ctx.rank) * row
+    if name == "broadcast":
+        return size if args[1] == ctx.rank else 0.0
+    if name == "gather":
+        return size if args[1] != ctx.rank else 0.0
+    return size if name == "send" else 0.0
+
+
 class CollectiveCounter:
     def __init__(self) -> None:
         self.by_call: Counter[str] = Counter()
+        self.bytes_sent = 0.0
         self._saved: dict[str, object] = {}
 
     def __enter__(self) -> CollectiveCounter:
@@ -29,8 +59,10 @@ class CollectiveCounter:
             self._saved[name] = method
 
             def counted(ctx, *args, _name=name, _method=method, **kwargs):
-                if ctx.distributed:
+                if ctx.distributed and not (_name == "all_reduce" and len(args) > 1 and args[1] is not None
+                                            and len(args[1]) == 1):  # a group of one: no call
                     self.by_call[_name] += 1
+                    self.bytes_sent += bytes_sent(_name, ctx, args)
                 return _method(ctx, *args, **kwargs)
 
             setattr(DistContext, name, counted)
@@ -49,38 +81,51 @@ DECODE_PROMPTS = [[1, 15, 27, 99, 7], [1, 300, 41, 8, 8]]  # equal lengths: deco
 
 
 def count_decode_step(path: str, world_size: int, exchange: str = "auto", dtype: str = "float32",
-                      kernels: str = "auto") -> list[dict]:
-    """Per rank: communication calls by kind and host syncs in one greedy decode step of 2 sequences on
-    `world_size` rank processes (a run of 12 new tokens minus a run of 4, divided by 8). `kernels="torch"`
-    runs the experts one by one as GPUs do (their counts read on the host), "auto" the CPU's streaming kernel."""
+                      kernels: str = "auto", strategy: str = "layer/expert") -> list[dict]:
+    """Per rank: communication calls by kind, bytes sent and host syncs in one greedy decode step of 2 sequences
+    on `world_size` rank processes (a run of 12 new tokens minus a run of 4, divided by 8). `kernels="torch"`
+    runs the experts one by one as GPUs do (their counts read on the host), "auto" the CPU's streaming kernel.
+    `strategy`: every block's "attention/experts" (`moe.parallel.strategies`), e.g. "tensor/tensor:2"."""
     from moe.workers.group import run_ranks
 
     with tempfile.TemporaryDirectory() as out:
-        run_ranks(_count_on_rank, world_size, str(path), dtype, exchange, kernels, out)
+        run_ranks(_count_on_rank, world_size, str(path), dtype, exchange, kernels, strategy, out)
         return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
+def strategy_plan(cfg, world_size: int, strategy: str):
+    """The plan for "attention/experts[:expert group size]" over `world_size` ranks."""
+    from moe.parallel.placement import Placement
+
+    attention, _, experts = strategy.partition("/")
+    experts, _, size = experts.partition(":")
+    plan = Placement.default(cfg.n_layers, cfg.n_experts, world_size)
+    if (attention, experts, size) != ("layer", "expert", ""):
+        plan = plan.with_strategies(attention, experts, int(size) if size else None)
+    return plan.validate(cfg.n_layers, cfg.n_experts, world_size, cfg)
+
+
 def _count_on_rank(rank: int, world_size: int, port: int, path: str, dtype: str, exchange: str, kernels: str,
-                   out: str) -> None:
+                   strategy: str, out: str) -> None:
     from moe.bench.syncs import HostSyncCounter
     from moe.checkpoint.formats import detect
     from moe.generation import SamplingParams, generate_tokens
     from moe.parallel.distributed import init_process_group
-    from moe.parallel.placement import Placement
     from moe.workers.rank import ShardSpec, load_shard
 
     dist = init_process_group(rank, world_size, "127.0.0.1", port)
     cfg = detect(path).config
-    plan = Placement.default(cfg.n_layers, cfg.n_experts, world_size)
+    plan = strategy_plan(cfg, world_size, strategy)
     engine, _ = load_shard(ShardSpec(path, dtype, plan.to_json(), cpu_kernels=kernels, exchange=exchange), dist)
     runs = []
     for n in (4, 12):
         with CollectiveCounter() as calls, HostSyncCounter() as syncs:
             generate_tokens(engine, DECODE_PROMPTS, SamplingParams(n, 0.0, 1.0, 0, 0), None, 10**6)
-        runs.append((calls.by_call, syncs.total))
-    (calls4, syncs4), (calls12, syncs12) = runs
+        runs.append((calls.by_call, syncs.total, calls.bytes_sent))
+    (calls4, syncs4, sent4), (calls12, syncs12, sent12) = runs
     result = {"calls": {name: (calls12[name] - calls4[name]) / 8 for name in calls12},
               "collectives": sum((calls12[n] - calls4[n]) / 8 for n in COLLECTIVES),
-              "syncs": (syncs12 - syncs4) / 8, "blocks": cfg.n_layers}
+              "syncs": (syncs12 - syncs4) / 8, "blocks": cfg.n_layers,
+              "bytes_per_token": (sent12 - sent4) / 8 / len(DECODE_PROMPTS)}
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy()

@@ -98,13 +98,16 @@ def decode_bytes_per_token(cfg: ModelConfig, element_size: int) -> int:
 
 
 def ours(path: str, gpus: int, dtype: str, threads: int, repeats: int, attention: str = "layer",
-         cpu_kernels: str = "auto", exchange: str = "auto", compile: bool = False) -> dict:
+         cpu_kernels: str = "auto", exchange: str = "auto", compile: bool = False, strategy: str | None = None) -> dict:
+    """`strategy`: every block's "attention/experts[:expert group size]" (`moe.bench.collectives.strategy_plan`)."""
     from moe import MoEModel
+    from moe.bench.collectives import strategy_plan
 
     torch.set_num_threads(threads)
+    plan = strategy_plan(checkpoint_config(path), gpus, strategy) if strategy else None
     t0 = time.perf_counter()
     # N ranks share the same cores: each gets threads / N.
-    model = MoEModel.from_pretrained(path, dtype=dtype, gpus=gpus, threads=max(1, threads // gpus),
+    model = MoEModel.from_pretrained(path, dtype=dtype, gpus=gpus, threads=max(1, threads // gpus), placement=plan,
                                      attention=attention, cpu_kernels=cpu_kernels, exchange=exchange, compile=compile)
     load = time.perf_counter() - t0
     V = model.config.vocab_size
@@ -122,18 +125,21 @@ def ours(path: str, gpus: int, dtype: str, threads: int, repeats: int, attention
             decode8.append(model.last_result.decode_seconds / (NEW_TOKENS - 1))
             # The first batch-8 run's greedy tokens, to compare schedules across processes.
             tokens8 = tokens8 or hashlib.sha1(str(out).encode()).hexdigest()
-            if gpus > 1:
+            if gpus > 1 and strategy is None:  # the strategy comparison shows batch 1 and 8
                 model.generate(prompts(32, DECODE_PROMPT, V, r), max_new_tokens=NEW_TOKENS, ignore_eos=True)
                 decode32.append(model.last_result.decode_seconds / (NEW_TOKENS - 1))
         model.reset_expert_load()
         model.generate(prompts(1, DECODE_PROMPT, V), max_new_tokens=NEW_TOKENS, ignore_eos=True)
         received = model.expert_load().rank_load().sum(dim=1)  # rows each block's experts computed
         peak = model.peak_memory_mib()
+        weights_mib = [b / 2**20 for b in model.info.bytes_read]
     routed_per_token = (received / (DECODE_PROMPT + NEW_TOKENS - 1)).tolist()
     return {"load_s": load, "prefill_s": statistics.median(prefill), "ttft_s": statistics.median(prefill),
             "decode1_step_s": statistics.median(decode1), "decode8_step_s": statistics.median(decode8),
             "decode32_step_s": statistics.median(decode32) if decode32 else None, "tokens8_hash": tokens8,
-            "peak_rss_mib": peak, "rows_per_block_per_token": routed_per_token}
+            "peak_rss_mib": peak, "rows_per_block_per_token": routed_per_token, "weights_mib": weights_mib,
+            "loaded_over_baseline_mib": [p - b for p, b in zip(model.info.loaded_peak_mib, model.info.baseline_mib,
+                                                               strict=True)]}
 
 
 class _Clock:

@@ -17,6 +17,7 @@ import torch
 from models.config import ModelConfig
 from moe.checkpoint.files import CheckpointError
 from moe.checkpoint.formats import HF, is_stacked_expert
+from moe.checkpoint.slices import reassemble
 from moe.checkpoint.writer import (
     dtype_name,
     finish_checkpoint,
@@ -65,12 +66,14 @@ def dense_tensor(model: torch.nn.Module, name: str) -> torch.Tensor:
     return t.cpu()
 
 
-def dense_external(model: torch.nn.Module, cfg: ModelConfig, names: list[str], source: dict[str, str],
-                   expert_ids: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-    """The external tensors `names`, dense: each of our tensors they come from is made dense once."""
+def dense_external(model: torch.nn.Module, cfg: ModelConfig, names: list[str],
+                   plan: SavePlan) -> dict[str, torch.Tensor]:
+    """The external tensors `names`, dense: each of our tensors they come from is made dense once (or taken whole
+    from the reassembled slices)."""
     wanted, out = set(names), {}
-    for ours in dict.fromkeys(source[n] for n in names):
-        external = to_external({ours: dense_tensor(model, ours)}, cfg, HF, expert_ids)
+    for ours in dict.fromkeys(plan.source[n] for n in names):
+        t = plan.whole[ours] if ours in plan.whole else dense_tensor(model, ours)
+        external = to_external({ours: t}, cfg, HF, plan.expert_ids)
         out.update((n, t) for n, t in external.items() if n in wanted)
     return {n: out[n] for n in names}
 
@@ -84,11 +87,15 @@ class SavePlan:
     source: dict[str, str]  # external name -> our name
     expert_ids: dict[str, list[int]]
     dtype: str | None  # of our tensors (None when this rank holds none)
+    whole: dict[str, torch.Tensor]  # split parameters this rank reassembled and writes (moe.checkpoint.slices)
 
 
 def plan_save(model: torch.nn.Module, cfg: ModelConfig, ctx: DistContext) -> SavePlan:
-    """Collective. A tensor several ranks hold (a replicated expert, tied embeddings) is written by the lowest."""
-    layout = state_layout(model)
+    """Collective. A tensor several ranks hold (a replicated expert, tied embeddings) is written by the lowest; a
+    tensor split over ranks by the rank that reassembled it."""
+    whole = reassemble(model, ctx, dense_tensor)
+    split = getattr(model, "slices", {})
+    layout = {name: whole.get(name, t) for name, t in state_layout(model).items() if name not in split or name in whole}
     expert_ids = {k: v for k, v in stacked_expert_ids(model).items() if k in layout and is_stacked_expert(k)}
     tensors, source = {}, {}
     with torch.no_grad():
@@ -100,7 +107,7 @@ def plan_save(model: torch.nn.Module, cfg: ModelConfig, ctx: DistContext) -> Sav
         for n in names:
             first_holder.setdefault(n, rank)
     mine = {n: t for n, t in tensors.items() if first_holder[n] == ctx.rank}
-    return SavePlan(mine, source, expert_ids, dtype_name(tensors) if tensors else None)
+    return SavePlan(mine, source, expert_ids, dtype_name(tensors) if tensors else None, whole)
 
 
 def shared_partial_dir(out_dir: Path, ctx: DistContext) -> Path:
@@ -140,7 +147,7 @@ def save_distributed(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Pa
         try:
             for i, names in enumerate(shards):
                 fname = shard_file_name(first + i + 1, total_files)
-                write_file(dense_external(model, cfg, names, plan.source, plan.expert_ids), tmp / fname, progress,
+                write_file(dense_external(model, cfg, names, plan), tmp / fname, progress,
                            metadata={"format": "pt"})
                 weight_map.update(dict.fromkeys(names, fname))
                 files.append(fname)

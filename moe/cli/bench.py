@@ -59,9 +59,11 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def run_case(args: argparse.Namespace, impl: str, gpus: int, path: Path) -> dict | None:
+def run_case(args: argparse.Namespace, impl: str, gpus: int, path: Path, strategy: str | None = None) -> dict | None:
     cmd = [sys.executable, "-m", "moe.cli.bench", "--case", impl, "--ckpt", str(path), "--gpus", str(gpus),
            "--dtype", args.dtype, "--threads", str(args.threads), "--repeats", str(args.repeats)]
+    if strategy is not None:
+        cmd += ["--strategy", strategy]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         print(f"  {impl} on {gpus} rank(s) failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
@@ -77,7 +79,7 @@ def case_main(args: argparse.Namespace) -> None:
         kernels = {"ours-torch-kernels": "torch", "ours-onednn": "onednn"}.get(args.case, "auto")
         exchange = "all-to-all" if args.case == "ours-all-to-all" else "auto"
         result = ours(args.ckpt, args.gpus, args.dtype, args.threads, args.repeats, attention, kernels, exchange,
-                      compile=args.case == "ours-compiled")
+                      compile=args.case == "ours-compiled", strategy=args.strategy)
     else:
         result = transformers_case(args.ckpt, args.dtype, args.threads, args.repeats)
     print(json.dumps(result))
@@ -190,6 +192,10 @@ def main(args: argparse.Namespace) -> int:
             write_sized_checkpoint(path, args.size)
         if not (path / "tokenizer.model").exists() and BENCH_TOKENIZER.exists():
             shutil.copy(BENCH_TOKENIZER, path / "tokenizer.model")  # llama.cpp's converter wants one
+    if args.strategies:
+        from moe.cli.bench_strategies import compare_strategies
+
+        return compare_strategies(args, path, run_case)
     bounds = machine_bounds(args, path)
     impls = [("ours", 1), ("ours-compiled", 1), ("ours-onednn", 1)]
     impls += [("ours-torch-kernels", 1)] if args.dtype != "int8" else []
@@ -246,6 +252,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="peers, comma-separated: transformers (when installed), llama.cpp (needs --llama-cpp DIR or "
                          "LLAMA_CPP_DIR: a llama.cpp tree with a built llama-bench)")
     ap.add_argument("--llama-cpp", default=None, metavar="DIR", help="llama.cpp source tree (default: $LLAMA_CPP_DIR)")
+    ap.add_argument("--strategies", default=None, metavar="LIST",
+                    help="compare sharding strategies on --gpus ranks instead: comma-separated attention/experts "
+                         "for every block, e.g. layer/expert,tensor/tensor,layer/tensor:2 (:2 = expert groups of 2 "
+                         "ranks); 'all' for each of them")
+    ap.add_argument("--strategy", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--case", choices=["ours", "ours-compiled", "ours-onednn", "ours-torch-kernels", "ours-all-to-all",
                                        "ours-replicated",
                                        "transformers"],

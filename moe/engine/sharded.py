@@ -100,11 +100,11 @@ class ShardedEngine:
         B, S = tokens_BS.shape
         shape = (B, S, cfg.dim)
         device = self.dist.device
-        h = self.model.tok_embeddings(tokens_BS.to(device)) if self.rank == p.embed_rank else None
+        h = self.model.tok_embeddings(tokens_BS.to(device)) if self.rank in p.embed_ranks else None
         ctx = AttentionContext.build(cfg, B, S, start, padding, device, self.dtype) if self.my_blocks else None
         rows = real_token_rows(padding, S, start, device)
         self.step.most = B * S  # a block's first attention rank brings at most every token; the others none
-        holders = (p.embed_rank,)
+        holders = p.embed_ranks
         for name, block in self.model.layers.items():
             s = p.strategy(int(name))
             h = self._move(h, holders, s.attention_ranks, shape)

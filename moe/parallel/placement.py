@@ -10,11 +10,9 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from moe.parallel.strategies import BlockStrategy, StrategyError, validate_block
+from moe.parallel.strategies import BlockStrategy, PlacementError, validate_block
 
-
-class PlacementError(StrategyError):
-    """The plan does not fit the model or the number of ranks; the message names the field."""
+__all__ = ["Placement", "PlacementError", "resolve_placement"]
 
 
 def balanced_ranges(n_items: int, n_parts: int) -> list[int]:
@@ -47,26 +45,57 @@ class Placement:
         experts = tuple(tuple((expert_owner[e],) for e in range(n_experts)) for _ in range(n_layers))
         return cls(world_size, 0, tuple(owners_from_sizes(sizes)), world_size - 1, experts)
 
-    def with_strategies(self, attention: str, experts: str) -> Placement:
+    def with_strategies(self, attention: str, experts: str, group_size: int | None = None) -> Placement:
         """Every block's attention and experts by one strategy over all ranks (the API's and CLI's shortcuts):
         attention "layer" keeps the owners, "replicated" and "tensor" use every rank; experts "expert" keep their
-        placement, "tensor" splits every expert over all ranks."""
+        placement, "tensor" splits every expert over all ranks, or, with `group_size`, over groups of that many
+        consecutive ranks that hold contiguous runs of experts (expert-tensor parallelism)."""
         everyone = tuple(range(self.world_size))
+        size = group_size or self.world_size
+        if experts == "tensor" and (size < 1 or self.world_size % size):
+            raise PlacementError(f"expert groups of {size} ranks do not divide {self.world_size} ranks")
+        groups = tuple(everyone[g:g + size] for g in range(0, self.world_size, size)) if experts == "tensor" else ()
         blocks, experts_at = [], []
         for i, owner in enumerate(self.block_ranks):
             ranks = (owner,) if attention == "layer" else everyone
-            groups = (everyone,) if experts == "tensor" else ()
             blocks.append(BlockStrategy(attention, ranks, experts, groups))
-            experts_at.append(tuple(everyone for _ in self.expert_ranks[i]) if experts == "tensor"
+            n = len(self.expert_ranks[i])
+            experts_at.append(tuple(groups[e * len(groups) // n] for e in range(n)) if experts == "tensor"
                               else self.expert_ranks[i])
-        if attention == "tensor":  # the last block's ranks all hold the result: the head beside the embedding
-            return replace(self, head_rank=self.embed_rank, blocks=tuple(blocks), expert_ranks=tuple(experts_at))
-        return replace(self, blocks=tuple(blocks), expert_ranks=tuple(experts_at))
+        # Attention split over all ranks and experts exchanged: the last block's result is on the first rank, so the
+        # head goes there (no send per step); otherwise it stays on the last rank, beside no embedding.
+        head = self.embed_rank if (attention, experts) == ("tensor", "expert") else self.head_rank
+        return replace(self, block_ranks=tuple(b.leader for b in blocks), head_rank=head, blocks=tuple(blocks),
+                       expert_ranks=tuple(experts_at))
+
+    def fill_experts(self, n_experts: int) -> Placement:
+        """Experts of blocks the plan leaves out (None): contiguous runs over the ranks, or, for experts split by
+        `tensor`, over the block's groups."""
+        if all(b is not None for b in self.expert_ranks) or (self.blocks is not None
+                                                                and len(self.blocks) != len(self.expert_ranks)):
+            return self  # nothing left out, or a plan `validate` refuses
+        filled = []
+        for i, held in enumerate(self.expert_ranks):
+            s = self.strategy(i)
+            owners = s.expert_groups if s.experts == "tensor" else tuple((r,) for r in range(self.world_size))
+            filled.append(held if held is not None else
+                          tuple(owners[e * len(owners) // n_experts] for e in range(n_experts)))
+        return replace(self, expert_ranks=tuple(filled))
 
     def strategy(self, block: int) -> BlockStrategy:
         if self.blocks is None:
             return BlockStrategy("layer", (self.block_ranks[block],))
         return self.blocks[block]
+
+    @property
+    def embed_ranks(self) -> tuple[int, ...]:
+        """Ranks holding the embedding: the embed rank, or, when the first block's attention is split over a group
+        that includes it, every rank of that group: each embeds the step's tokens (which every rank has) itself
+        instead of being sent them, at the cost of a copy of the embedding on each."""
+        first = self.strategy(0) if self.block_ranks else None
+        if first is not None and first.attention == "tensor" and self.embed_rank in first.attention_ranks:
+            return first.attention_ranks
+        return (self.embed_rank,)
 
     @property
     def replicated(self) -> bool:
@@ -89,6 +118,9 @@ class Placement:
             raise PlacementError(f"placement is for {self.world_size} ranks, but {world_size} were asked for")
         rank_ok("embed_rank", self.embed_rank)
         rank_ok("head_rank", self.head_rank)
+        if self.blocks is not None and len(self.blocks) != n_layers:
+            raise PlacementError(f"placement blocks has {len(self.blocks)} entries, the model {n_layers}: every "
+                                 "block needs an attention strategy")
         if len(self.block_ranks) != n_layers:
             raise PlacementError(f"placement block_ranks has {len(self.block_ranks)} entries, the model {n_layers}")
         for i, r in enumerate(self.block_ranks):
@@ -96,6 +128,8 @@ class Placement:
         if len(self.expert_ranks) != n_layers:
             raise PlacementError(f"placement expert_ranks has {len(self.expert_ranks)} blocks, the model {n_layers}")
         for i, experts in enumerate(self.expert_ranks):
+            if experts is None:
+                raise PlacementError(f"placement expert_ranks[{i}] is missing")
             if len(experts) != n_experts:
                 raise PlacementError(f"placement expert_ranks[{i}] has {len(experts)} experts, the model {n_experts}")
             for e, ranks in enumerate(experts):
@@ -104,13 +138,10 @@ class Placement:
                 for r in ranks:
                     rank_ok(f"expert_ranks[{i}][{e}]", r)
         if self.blocks is not None:
-            self._validate_blocks(n_layers, world_size, cfg)
+            self._validate_blocks(world_size, cfg)
         return self
 
-    def _validate_blocks(self, n_layers: int, world_size: int, cfg) -> None:
-        if len(self.blocks) != n_layers:
-            raise PlacementError(f"placement blocks has {len(self.blocks)} entries, the model {n_layers}: every "
-                                 "block needs an attention strategy")
+    def _validate_blocks(self, world_size: int, cfg) -> None:
         for i, s in enumerate(self.blocks):
             if cfg is not None:
                 validate_block(s, i, world_size, cfg)
@@ -158,8 +189,10 @@ class Placement:
                 owners = tuple(b.leader if b.attention_ranks else 0 for b in blocks)
             else:
                 owners = tuple(data["block_ranks"])
+            # With strategies, a block's experts may be left out (null, or no expert_ranks at all): `fill_experts`
+            experts = data["expert_ranks"] if blocks is None or "expert_ranks" in data else [None] * len(blocks)
             return cls(world, data["embed_rank"], owners, data["head_rank"],
-                       tuple(tuple(tuple(r) for r in b) for b in data["expert_ranks"]), blocks)
+                       tuple(None if b is None else tuple(tuple(r) for r in b) for b in experts), blocks)
         except (KeyError, TypeError) as e:
             raise PlacementError(f"placement JSON lacks or mistypes field {e}") from None
 
@@ -220,6 +253,8 @@ def resolve_placement(placement: Placement | str | Path | dict | None, cfg, rank
         plan = Placement.from_json(placement)
     else:
         plan = Placement.load(placement)
+    if len(plan.expert_ranks) == n_layers:
+        plan = plan.fill_experts(n_experts)
     if (attention, experts) != ("layer", "expert"):
         if plan.blocks is not None:
             raise PlacementError("the placement gives each block's strategies; leave attention= and experts= out")

@@ -21,7 +21,7 @@ from moe.parallel.tensor import TensorDispatcher, reduce_attention_output, split
 def apply_placement(model: Transformer, placement: Placement, rank: int) -> None:
     """Keep the embedding, attention (whole or this rank's heads), norms, routers and head this rank runs."""
     if not placement.replicated:  # replicated attention: every rank runs the whole dense model on its rows
-        if rank != placement.embed_rank:
+        if rank not in placement.embed_ranks:
             model.tok_embeddings = None
         if rank != placement.head_rank:
             model.norm, model.output = None, None

@@ -22,8 +22,8 @@ ATTENTION_STRATEGIES = ("layer", "replicated", "tensor")
 EXPERT_STRATEGIES = ("expert", "tensor")
 
 
-class StrategyError(ValueError):
-    """A block's strategy does not fit the model or the ranks; the message names the block and the field."""
+class PlacementError(ValueError):
+    """The plan does not fit the model or the number of ranks; the message names the field (and the block)."""
 
 
 @dataclass(frozen=True)
@@ -62,16 +62,16 @@ class BlockStrategy:
     def from_json(cls, data: object, block: int, world_size: int) -> BlockStrategy:
         where = f"placement blocks[{block}]"
         if not isinstance(data, dict) or "attention" not in data:
-            raise StrategyError(f"{where} has no attention strategy (one of {', '.join(ATTENTION_STRATEGIES)})")
+            raise PlacementError(f"{where} has no attention strategy (one of {', '.join(ATTENTION_STRATEGIES)})")
         try:
             attention, experts = data["attention"], data.get("experts", "expert")
             ranks = tuple(range(world_size)) if attention == "replicated" else tuple(data["ranks"])
             groups = tuple(tuple(g) for g in data["groups"]) if experts == "tensor" else ()
         except KeyError as e:
-            raise StrategyError(f"{where} lacks field {e} for attention {data.get('attention')!r} / experts "
+            raise PlacementError(f"{where} lacks field {e} for attention {data.get('attention')!r} / experts "
                                 f"{data.get('experts', 'expert')!r}") from None
         except TypeError:
-            raise StrategyError(f"{where}: ranks and groups must be lists of rank numbers") from None
+            raise PlacementError(f"{where}: ranks and groups must be lists of rank numbers") from None
         return cls(attention, ranks, experts, groups)
 
     def describe(self) -> str:
@@ -90,42 +90,42 @@ def validate_block(s: BlockStrategy, block: int, world_size: int, cfg) -> None:
     """Every check that needs the model's shapes: a one-line error naming the block, before any rank starts."""
     where = f"placement blocks[{block}]"
     if s.attention not in ATTENTION_STRATEGIES:
-        raise StrategyError(f"{where}: attention {s.attention!r} is not one of {', '.join(ATTENTION_STRATEGIES)}")
+        raise PlacementError(f"{where}: attention {s.attention!r} is not one of {', '.join(ATTENTION_STRATEGIES)}")
     if s.experts not in EXPERT_STRATEGIES:
-        raise StrategyError(f"{where}: experts {s.experts!r} is not one of {', '.join(EXPERT_STRATEGIES)}")
+        raise PlacementError(f"{where}: experts {s.experts!r} is not one of {', '.join(EXPERT_STRATEGIES)}")
     _check_group(s.attention_ranks, f"{where} attention ranks", world_size)
     if s.attention == "layer" and len(s.attention_ranks) != 1:
-        raise StrategyError(f"{where}: attention 'layer' has one owner rank, got {list(s.attention_ranks)}")
+        raise PlacementError(f"{where}: attention 'layer' has one owner rank, got {list(s.attention_ranks)}")
     if s.attention == "tensor":
         g, H, G = len(s.attention_ranks), cfg.n_heads, cfg.n_kv_heads
         if H % g or (G % g and g % G):
-            raise StrategyError(f"{where}: {H} query heads and {G} KV heads cannot be split evenly over {g} ranks "
+            raise PlacementError(f"{where}: {H} query heads and {G} KV heads cannot be split evenly over {g} ranks "
                                 "(the heads must divide by the ranks, and the KV heads divide them or by them)")
     if s.experts == "tensor":
         if not s.expert_groups:
-            raise StrategyError(f"{where}: experts 'tensor' needs at least one group of ranks")
+            raise PlacementError(f"{where}: experts 'tensor' needs at least one group of ranks")
         seen: set[int] = set()
         for group in s.expert_groups:
             _check_group(group, f"{where} expert group {list(group)}", world_size)
             if seen & set(group):
-                raise StrategyError(f"{where}: expert groups {[list(x) for x in s.expert_groups]} share a rank")
+                raise PlacementError(f"{where}: expert groups {[list(x) for x in s.expert_groups]} share a rank")
             seen |= set(group)
         sizes = {len(group) for group in s.expert_groups}
         if len(sizes) > 1:
-            raise StrategyError(f"{where}: expert groups {[list(x) for x in s.expert_groups]} differ in size")
+            raise PlacementError(f"{where}: expert groups {[list(x) for x in s.expert_groups]} differ in size")
         if cfg.hidden_dim % sizes.pop():
-            raise StrategyError(f"{where}: the experts' hidden dimension {cfg.hidden_dim} cannot be split evenly "
+            raise PlacementError(f"{where}: the experts' hidden dimension {cfg.hidden_dim} cannot be split evenly "
                                 f"over {len(s.expert_groups[0])} ranks")
     elif s.expert_groups:
-        raise StrategyError(f"{where}: groups are for experts 'tensor'; experts 'expert' are placed by expert_ranks")
+        raise PlacementError(f"{where}: groups are for experts 'tensor'; experts 'expert' are placed by expert_ranks")
 
 
 def _check_group(ranks: tuple[int, ...], what: str, world_size: int) -> None:
     if not ranks or len(set(ranks)) != len(ranks):
-        raise StrategyError(f"{what} = {list(ranks)} must list distinct ranks")
+        raise PlacementError(f"{what} = {list(ranks)} must list distinct ranks")
     for r in ranks:
         if not isinstance(r, int) or not 0 <= r < world_size:
-            raise StrategyError(f"{what} names rank {r!r}, outside the world of ranks 0..{world_size - 1}")
+            raise PlacementError(f"{what} names rank {r!r}, outside the world of ranks 0..{world_size - 1}")
 
 
 def head_slices(n_heads: int, n_kv_heads: int, size: int, index: int) -> tuple[range, range]:

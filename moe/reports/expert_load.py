@@ -29,14 +29,16 @@ def imbalance(loads: torch.Tensor) -> dict[str, float]:
 
 
 def rank_loads(counts_LE: torch.Tensor, placement: Placement) -> torch.Tensor:
-    """[blocks, ranks] token copies each rank computes; a replicated expert's copies split evenly."""
+    """[blocks, ranks] token copies each rank computes; a replicated expert's copies split evenly, a split expert's
+    (experts by `tensor`) computed by every rank of its group, each its slice."""
     L, E = counts_LE.shape
     out = torch.zeros(L, placement.world_size, dtype=torch.float64)
     for i in range(L):
+        split = placement.strategy(i).experts == "tensor"
         for e in range(E):
             ranks = placement.expert_ranks[i][e]
             for r in ranks:
-                out[i, r] += counts_LE[i, e].item() / len(ranks)
+                out[i, r] += counts_LE[i, e].item() / (1 if split else len(ranks))
     return out
 
 
@@ -62,7 +64,8 @@ class ExpertLoadReport:
         total, ranks = self.total, self.rank_load()
         blocks = []
         for i in range(total.shape[0]):
-            blocks.append({"block": i, "experts": imbalance(total[i]), "ranks": imbalance(ranks[i]),
+            blocks.append({"block": i, "strategy": self.placement.strategy(i).describe(),
+                           "experts": imbalance(total[i]), "ranks": imbalance(ranks[i]),
                            "unused_experts": [e for e in range(total.shape[1]) if total[i, e] == 0]})
         return {
             "counts": total.tolist(),
@@ -82,11 +85,12 @@ class ExpertLoadReport:
         total, ranks = self.total, self.rank_load()
         E, R = total.shape[1], ranks.shape[1]
         head = "block " + " ".join(f"e{e:<5}" for e in range(E)) + " | " + " ".join(f"r{r:<6}" for r in range(R))
-        lines = [head + " | max/mean(ranks)"]
+        lines = [head + " | max/mean(ranks) | attention / experts"]
         for i in range(total.shape[0]):
             cells = " ".join(f"{int(c):<6}" for c in total[i].tolist())
             rcells = " ".join(f"{x:<7.1f}" for x in ranks[i].tolist())
-            lines.append(f"{i:<5} {cells} | {rcells} | {imbalance(ranks[i])['max_over_mean']:.2f}")
+            strategy = self.placement.strategy(i).describe()
+            lines.append(f"{i:<5} {cells} | {rcells} | {imbalance(ranks[i])['max_over_mean']:<15.2f} | {strategy}")
         lines.append(f"total {int(total.sum())} token copies; overall rank max/mean "
                      f"{imbalance(ranks.sum(0))['max_over_mean']:.2f}")
         return "\n".join(lines)
