@@ -55,6 +55,15 @@ def test_sampling_with_a_seed_on_the_gpu(on_gpu):
 
 
 @needs_gpus(2)
+@pytest.mark.parametrize("attention, experts", [("tensor", "tensor"), ("tensor", "expert"), ("layer", "tensor")])
+def test_tensor_parallel_gpus_give_the_one_gpu_answer(on_gpu, attention, experts):
+    """NCCL subgroups, the row-parallel all-reduces and the point-to-point moves of the hidden states."""
+    with MoEModel.from_pretrained(TRAINED, device="cuda", gpus=2, attention=attention, experts=experts) as model:
+        torch.testing.assert_close(model(IDS), on_gpu(IDS).cpu(), rtol=0, atol=1e-4)
+        assert model.generate([PROMPT], max_new_tokens=32) == on_gpu.generate([PROMPT], max_new_tokens=32)
+
+
+@needs_gpus(2)
 def test_n_gpus_give_the_one_gpu_answer(on_gpu):
     with MoEModel.from_pretrained(TRAINED, device="cuda", gpus=GPUS) as model:
         assert model.info.backend == "nccl"

@@ -191,3 +191,17 @@ def test_the_plan_round_trips_and_prints_each_blocks_strategy():
     assert again == p and "block_ranks" not in p.to_json()
     assert "0-2     tensor[0,1] / tensor[0,1]" in p.table()
     assert Placement.default(3, 4, 2).to_json().keys() >= {"block_ranks", "expert_ranks"}  # the old form unchanged
+
+
+def test_the_planner_rebalances_whole_experts_and_keeps_split_ones():
+    from moe.reports.planner import plan_placement
+
+    cfg = tiny_config(n_layers=2, n_experts=8)
+    base = Placement.from_json(plan(cfg, 4, [block("layer", [0]), block("tensor", [0, 1, 2, 3], "tensor",
+                                                                         [[0, 1], [2, 3]])]))
+    base = base.validate(2, 8, 4, cfg)
+    counts = torch.tensor([[90, 1, 1, 1, 1, 1, 1, 1], [90, 1, 1, 1, 1, 1, 1, 1]])
+    planned = plan_placement(counts, 4, 0, base).validate(2, 8, 4, cfg)
+    assert planned.blocks == base.blocks
+    assert planned.expert_ranks[1] == base.expert_ranks[1]  # split over groups: not the planner's to move
+    assert planned.expert_ranks[0] != base.expert_ranks[0]  # balanced by the measured load
