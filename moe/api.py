@@ -56,7 +56,7 @@ class ModelInfo:
     load_seconds: list[float] = field(default_factory=list)  # per rank, reading its tensors
     bytes_read: list[int] = field(default_factory=list)  # per rank
     files_read: list[list[str]] = field(default_factory=list)  # per rank
-    tensors_read: list[dict[str, list[int]]] = field(default_factory=list)  # per rank: tensor -> shape read (a slice's)
+    tensors_read: list[dict[str, list[list[int]]]] = field(default_factory=list)  # per rank: tensor -> shapes read
     rank_params: list[list[str]] = field(default_factory=list)  # per rank, the parameters it holds
     pids: list[int] = field(default_factory=list)  # process id of each rank
     baseline_mib: list[float] = field(default_factory=list)  # per rank, memory before any weight was read

@@ -79,9 +79,11 @@ def test_tensor_parallel_decode_step_makes_one_all_reduce_for_attention_and_one_
     dim = MoEModel.from_pretrained(SHIPPED).config.dim
     for rank, got in enumerate(count_decode_step(str(SHIPPED), 2, strategy="tensor/tensor", kernels="torch")):
         calls, blocks = got["calls"], got["blocks"]
-        assert calls["all_reduce"] == 2 * blocks and calls.get("send", 0) == 0, (rank, calls)
-        assert got["collectives"] == 2 * blocks + 1  # + the sampled tokens' broadcast
+        # per block one for the heads, one for the experts; per step one for the embedding (each rank its half of
+        # the vocabulary) and the sampled tokens' broadcast
+        assert calls["all_reduce"] == 2 * blocks + 1 and calls.get("send", 0) == 0, (rank, calls)
+        assert got["collectives"] == 2 * blocks + 2
         assert got["syncs"] == blocks + 1  # the local experts' counts (torch kernels), and the tokens
         # a ring all-reduce of 2 ranks sends half the tensor twice: [1 token, dim] fp32 per all-reduce and token;
         # the head's rank also broadcasts the step's tokens and stop flag (3 int64 for 2 tokens)
-        assert got["bytes_per_token"] - 2 * blocks * dim * 4 == (12 if rank == 1 else 0), (rank, got)
+        assert got["bytes_per_token"] - (2 * blocks + 1) * dim * 4 == (12 if rank == 1 else 0), (rank, got)

@@ -125,19 +125,20 @@ def test_each_rank_reads_only_its_slices(reference):
     kv_rows = Dh * max(cfg.n_kv_heads // 2, 1)
     for rank in (0, 1):
         got = reads[rank]
-        assert got["model.layers.0.self_attn.q_proj.weight"] == [cfg.n_heads // 2 * Dh, D]
-        assert got["model.layers.0.self_attn.k_proj.weight"] == [kv_rows, D]
-        assert got["model.layers.0.self_attn.o_proj.weight"] == [D, cfg.n_heads // 2 * Dh]
+        assert got["model.layers.0.self_attn.q_proj.weight"] == [[cfg.n_heads // 2 * Dh, D]]
+        assert got["model.layers.0.self_attn.k_proj.weight"] == [[kv_rows, D]]
+        assert got["model.layers.0.self_attn.o_proj.weight"] == [[D, cfg.n_heads // 2 * Dh]]
         for e in range(cfg.n_experts):
-            assert got[f"model.layers.0.block_sparse_moe.experts.{e}.w1.weight"] == [F // 2, D]
-            assert got[f"model.layers.0.block_sparse_moe.experts.{e}.w2.weight"] == [D, F // 2]
-        assert "model.embed_tokens.weight" in got  # both ranks of the first block's group embed
+            assert got[f"model.layers.0.block_sparse_moe.experts.{e}.w1.weight"] == [[F // 2, D]]
+            assert got[f"model.layers.0.block_sparse_moe.experts.{e}.w2.weight"] == [[D, F // 2]]
+        head = [[cfg.vocab_size, D]] if rank == 1 and cfg.tie_embeddings else []  # the tied head reads it whole
+        assert got["model.embed_tokens.weight"] == [[cfg.vocab_size // 2, D]] + head  # its half of the vocabulary
         # bytes: what the shapes say, nothing more
-        assert bytes_read[rank] == 4 * sum(torch.Size(shape).numel() for shape in got.values())
+        assert bytes_read[rank] == 4 * sum(torch.Size(shape).numel() for shapes in got.values() for shape in shapes)
     # Split tensors are read once over the ranks; a KV head both ranks need (MQA) by both.
     full = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     twice = cfg.n_layers * 2 * Dh * D * 4 if cfg.n_kv_heads == 1 else 0
-    tied = cfg.vocab_size * D * 4  # the embedding on both ranks (tied: the head on rank 1 reads it there too)
+    tied = cfg.vocab_size * D * 4 if cfg.tie_embeddings else 0  # the head on rank 1 reads the whole embedding too
     assert abs(sum(bytes_read) - twice - tied - full) < 64 * 1024  # headers are the only difference
 
 

@@ -8,6 +8,7 @@ bytes this rank sends in them under the ring algorithms NCCL uses at these sizes
 
 from __future__ import annotations
 
+import inspect
 import json
 import tempfile
 from collections import Counter
@@ -19,31 +20,27 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broa
 POINT_TO_POINT = ("send", "recv")
 
 
-def bytes_sent(name: str, ctx: DistContext, args: tuple) -> float:
-    """Bytes this rank sends in one call: an all-reduce over g ranks 2(g-1)/g of the tensor, an all-gather its
-    input to g-1 ranks, a reduce-scatter (g-1)/g, an all-to-all the rows for other ranks, a send or a broadcast
-    from here the tensor once, a gather the tensor unless this rank gathers."""
-    t = args[1] if name == "all_to_all" else args[0] if args else None
-    if not hasattr(t, "element_size"):
+def bytes_sent(name: str, ctx: DistContext, a: dict) -> float:
+    """Bytes this rank sends in one call (`a`: the call's arguments by name): an all-reduce over g ranks 2(g-1)/g
+    of the tensor, an all-gather its input to g-1 ranks, a reduce-scatter (g-1)/g, an all-to-all the rows for
+    other ranks, a send or a broadcast from here the tensor once, a gather the tensor unless this rank gathers."""
+    t = a.get("x", a.get("t"))
+    if t is None:
         return 0.0
     size, world = t.numel() * t.element_size(), ctx.world_size
     if name == "all_reduce":
-        g = len(args[1]) if len(args) > 1 and args[1] is not None else world
+        g = len(a["ranks"]) if a.get("ranks") is not None else world
         return 2 * (g - 1) / g * size
     if name == "all_gather":
         return (world - 1) * size
-    if name == "reduce_scatter":
+    if name in ("reduce_scatter", "all_to_all") and a.get("in_splits") is None:
         return (world - 1) / world * size
     if name == "all_to_all":
-        splits = args[3] if len(args) > 3 and args[3] is not None else None
-        if splits is None:
-            return (world - 1) / world * size
-        row = size / max(1, t.shape[0])
-        return sum(n for r, n in enumerate(splits) if r != ctx.rank) * row
+        return sum(n for r, n in enumerate(a["in_splits"]) if r != ctx.rank) * size / max(1, t.shape[0])
     if name == "broadcast":
-        return size if args[1] == ctx.rank else 0.0
+        return size if a["src"] == ctx.rank else 0.0
     if name == "gather":
-        return size if args[1] != ctx.rank else 0.0
+        return size if a["dst"] != ctx.rank else 0.0
     return size if name == "send" else 0.0
 
 
@@ -59,10 +56,12 @@ class CollectiveCounter:
             self._saved[name] = method
 
             def counted(ctx, *args, _name=name, _method=method, **kwargs):
-                if ctx.distributed and not (_name == "all_reduce" and len(args) > 1 and args[1] is not None
-                                            and len(args[1]) == 1):  # a group of one: no call
+                a = inspect.signature(_method).bind(ctx, *args, **kwargs)
+                a.apply_defaults()
+                ranks = a.arguments.get("ranks")
+                if ctx.distributed and (ranks is None or len(ranks) > 1):  # a group of one makes no call
                     self.by_call[_name] += 1
-                    self.bytes_sent += bytes_sent(_name, ctx, args)
+                    self.bytes_sent += bytes_sent(_name, ctx, a.arguments)
                 return _method(ctx, *args, **kwargs)
 
             setattr(DistContext, name, counted)

@@ -109,7 +109,8 @@ class TensorReader:
         self.on_read = on_read  # bytes of each tensor read
         self.pinned: torch.Tensor | None = None  # staging buffer for reads that go to a GPU
         self.remaining: dict[Path, int] = {}
-        self.shapes_read: dict[str, list[int]] = {}  # what was read of each tensor: its shape, or its slice's
+        self.shapes_read: dict[str, list[list[int]]] = {}  # what was read of each tensor: its shape, or its slices'
+        # (a tensor read twice: a tied embedding for the head and a slice of it for the embedding)
 
     def expect(self, names: list[str]) -> None:
         """The tensors about to be read, so progress can count files as they complete."""
@@ -163,7 +164,7 @@ class TensorReader:
         if got != want:
             raise CheckpointError(f"{info.file.name}: file is truncated inside tensor {name}")
         self.bytes_read += got
-        self.shapes_read[name] = list(out.shape)
+        self.shapes_read.setdefault(name, []).append(list(out.shape))
         if self.on_read is not None:
             self.on_read(got)
         if info.file in self.remaining:

@@ -9,6 +9,7 @@ NCCL): the figures that carry over from gloo on CPUs to GPUs, where a collective
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from moe.bench.speed import PREFILL, checkpoint_config
@@ -45,6 +46,9 @@ def compare_strategies(args: argparse.Namespace, path: Path, run_case) -> int:
         r["kib_sent_per_token"] = [c["bytes_per_token"] / 1024 for c in counts]
         rows[name] = r
     print_strategies(rows)
+    if args.json:
+        args.json.write_text(json.dumps({"size": args.size, "dtype": args.dtype, "threads": args.threads,
+                                         "ranks": args.gpus, "strategies": rows}, indent=1) + "\n")
     share = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**20 / args.gpus
     for name, r in rows.items():
         print(f"{name}: the fullest rank holds {100 * (max(r['weights_mib']) / share - 1):+.0f}% over an even share "

@@ -83,7 +83,13 @@ class ShardedEngine:
     def _move(self, h: torch.Tensor | None, src: tuple[int, ...], dst: tuple[int, ...],
               shape: tuple[int, ...]) -> torch.Tensor | None:
         """The hidden states, held alike by the ranks `src`, onto the ranks `dst`: the first holder sends them to
-        each rank of `dst` that lacks them; holders outside `dst` let them go. Only those ranks take part."""
+        each rank of `dst` that lacks them (one broadcast over `dst` when that is a group and several lack them);
+        holders outside `dst` let them go. Only those ranks take part."""
+        if sum(d not in src for d in dst) > 1 and src[0] in dst and self.dist.has_group(dst):
+            if self.rank not in dst:
+                return None
+            h = h if self.rank in src else torch.empty(shape, dtype=self.dtype, device=self.dist.device)
+            return self.dist.broadcast(h, src[0], dst)
         if self.rank == src[0]:
             for d in dst:
                 if d not in src:

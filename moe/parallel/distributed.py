@@ -59,11 +59,18 @@ class DistContext:
 
     # Collectives. With one rank and no process group each is the identity, so engines, dispatchers and
     # the trainer run unchanged in one process.
-    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+    def broadcast(self, t: torch.Tensor, src: int, ranks: tuple[int, ...] | None = None) -> torch.Tensor:
+        """`src`'s `t` on every rank (or every rank of a group made by `make_groups`), in place."""
         if self.distributed:
             self._on_device(t)
-            dist.broadcast(t, src)
+            dist.broadcast(t, src, group=self._group(ranks))
         return t
+
+    def has_group(self, ranks: tuple[int, ...]) -> bool:
+        return sorted(ranks) == list(range(self.world_size)) or ranks in self.groups
+
+    def _group(self, ranks: tuple[int, ...] | None):
+        return None if ranks is None or sorted(ranks) == list(range(self.world_size)) else self.groups[ranks]
 
     def make_groups(self, groups: list[tuple[int, ...]]) -> None:
         """Collective: the process groups of tensor-parallel groups, made once and in the same order on every
@@ -77,8 +84,7 @@ class DistContext:
         if not self.distributed or (ranks is not None and len(ranks) == 1):
             return t
         self._on_device(t)
-        group = None if ranks is None or len(ranks) == self.world_size else self.groups[ranks]
-        dist.all_reduce(t, group=group)
+        dist.all_reduce(t, group=self._group(ranks))
         return t
 
     def all_to_all(self, out: torch.Tensor, x: torch.Tensor, out_splits: list[int] | None = None,

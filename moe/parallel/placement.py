@@ -90,8 +90,8 @@ class Placement:
     @property
     def embed_ranks(self) -> tuple[int, ...]:
         """Ranks holding the embedding: the embed rank, or, when the first block's attention is split over a group
-        that includes it, every rank of that group: each embeds the step's tokens (which every rank has) itself
-        instead of being sent them, at the cost of a copy of the embedding on each."""
+        that includes it, every rank of that group, each a share of the vocabulary's rows (one all-reduce per step
+        gives all of them the embedded tokens, where the embed rank would send them to each)."""
         first = self.strategy(0) if self.block_ranks else None
         if first is not None and first.attention == "tensor" and self.embed_rank in first.attention_ranks:
             return first.attention_ranks

@@ -15,7 +15,14 @@ from moe.parallel.dispatch import AllToAllDispatcher, SlotTable
 from moe.parallel.distributed import DistContext
 from moe.parallel.gather import ExchangeDispatcher, StepRows
 from moe.parallel.placement import Placement
-from moe.parallel.tensor import TensorDispatcher, reduce_attention_output, split_attention, split_experts
+from moe.parallel.tensor import (
+    TensorDispatcher,
+    VocabSlice,
+    reduce_attention_output,
+    split_attention,
+    split_embedding,
+    split_experts,
+)
 
 
 def apply_placement(model: Transformer, placement: Placement, rank: int) -> None:
@@ -23,6 +30,8 @@ def apply_placement(model: Transformer, placement: Placement, rank: int) -> None
     if not placement.replicated:  # replicated attention: every rank runs the whole dense model on its rows
         if rank not in placement.embed_ranks:
             model.tok_embeddings = None
+        elif len(placement.embed_ranks) > 1:
+            split_embedding(model, placement.embed_ranks, rank)
         if rank != placement.head_rank:
             model.norm, model.output = None, None
     for name, block in model.layers.items():
@@ -64,6 +73,8 @@ def connect_ranks(model: Transformer, placement: Placement, dist: DistContext, s
     strategies = [placement.strategy(int(name)) for name in model.layers]
     dist.make_groups([s.attention_ranks for s in strategies if s.attention == "tensor"]
                      + [s.expert_groups[0] for s in strategies if s.local_tensor_experts])
+    if isinstance(model.tok_embeddings, VocabSlice):
+        model.tok_embeddings.dist = dist
     for (name, block), s in zip(model.layers.items(), strategies, strict=True):
         if s.attention == "tensor" and dist.rank in s.attention_ranks:
             reduce_attention_output(model, name, s.attention_ranks, dist)

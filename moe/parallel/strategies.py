@@ -139,6 +139,13 @@ def head_slices(n_heads: int, n_kv_heads: int, size: int, index: int) -> tuple[r
     return q, range(kv, kv + 1)
 
 
+def balanced_slice(n: int, size: int, index: int) -> range:
+    """Member `index`'s contiguous part of `n` items over `size` members (the first ones one larger if uneven)."""
+    per, extra = divmod(n, size)
+    start = index * per + min(index, extra)
+    return range(start, start + per + (1 if index < extra else 0))
+
+
 def hidden_slice(hidden_dim: int, size: int, index: int) -> range:
     """The rows of w1/w3 (columns of w2) that member `index` of an expert group of `size` ranks holds."""
     per = hidden_dim // size

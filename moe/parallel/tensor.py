@@ -10,12 +10,14 @@ loader reads only those slices; a save reassembles whole tensors from them.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from models.basic import Linear
 from models.mixture import GroupedExperts, LocalDispatcher, weighted_sum
 from models.transformer import Transformer
 from moe.parallel.distributed import DistContext
-from moe.parallel.strategies import head_slices, hidden_slice
+from moe.parallel.strategies import balanced_slice, head_slices, hidden_slice
 
 Slice = tuple[int, int, int]  # (dim, start, stop) of the checkpoint's tensor
 
@@ -50,6 +52,33 @@ def split_experts(model: Transformer, block: str, group: tuple[int, ...], rank: 
     prefix = f"layers.{block}.feed_forward.experts."
     model.slices = slices_of(model) | {prefix + "w1": (0, f.start, f.stop), prefix + "w3": (0, f.start, f.stop),
                                        prefix + "w2": (1, f.start, f.stop)}
+
+
+class VocabSlice(nn.Module):
+    """Rows `start`.. of the embedding (Megatron's vocabulary-parallel embedding): a token outside them looks up
+    zeros, and the group's all-reduce adds the one row each token has, so the sum is the plain lookup exactly."""
+
+    def __init__(self, rows: int, dim: int, start: int, ranks: tuple[int, ...]) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, dim))
+        self.start, self.ranks = start, ranks
+        self.dist: DistContext | None = None  # set by `moe.parallel.sharding.connect_ranks`
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        rows = torch.where(inside[..., None], rows, 0)
+        return self.dist.all_reduce(rows, self.ranks) if self.dist is not None else rows
+
+
+def split_embedding(model: Transformer, ranks: tuple[int, ...], rank: int) -> None:
+    """Keep this rank's share of the vocabulary's embedding rows."""
+    cfg = model.cfg
+    rows = balanced_slice(cfg.vocab_size, len(ranks), ranks.index(rank))
+    with torch.device("meta"):
+        model.tok_embeddings = VocabSlice(len(rows), cfg.dim, rows.start, ranks)
+    model.slices = slices_of(model) | {"tok_embeddings.weight": (0, rows.start, rows.stop)}
 
 
 def reduce_attention_output(model: Transformer, block: str, ranks: tuple[int, ...], dist: DistContext) -> None:
