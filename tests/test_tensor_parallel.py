@@ -117,6 +117,17 @@ def test_the_expert_load_report_shows_each_blocks_strategy(reference):
     assert (report.rank_load() == copies[:, None]).all()  # each rank computes its slice of every copy
 
 
+def test_replicated_blocks_among_others_split_the_batch_for_those_blocks(reference):
+    """3 ranks: the logits' batch of 2 leaves one rank without a sequence in the replicated blocks."""
+    cfg = reference[1]
+    kinds = [block("replicated", None, "expert"),
+             block("tensor", [0, 1]),
+             block("replicated", None, "tensor", [[0, 1, 2]]),
+             block("layer", [2], "tensor", [[0, 1, 2]])]
+    blocks = [kinds[i % len(kinds)] for i in range(cfg.n_layers)]
+    check_same_as_one_rank(reference, gpus=3, placement=plan(cfg, 3, blocks, embed=1, head=0))
+
+
 def test_each_rank_reads_only_its_slices(reference):
     path, cfg, *_ = reference
     with MoEModel.from_pretrained(path, gpus=2, attention="tensor", experts="tensor") as model:
@@ -161,7 +172,7 @@ def test_a_save_from_a_tensor_parallel_plan_loads_in_transformers(reference, tmp
     (lambda p: p["blocks"][0].update(experts="tensor", groups=[[0, 1, 2, 3, 4]]), ["rank 4", "0..3"]),
     (lambda p: p["blocks"][2].pop("attention"), ["blocks[2]", "no attention strategy"]),
     (lambda p: p["blocks"].pop(), ["every block needs an attention strategy"]),
-    (lambda p: p["blocks"][0].update(attention="replicated"), ["'replicated'", "every block"]),
+    (lambda p: p["blocks"][0].update(experts="tensor", groups=[[0, 1], [1, 2]]), ["share a rank"]),
 ])
 def test_plan_errors_are_one_line_before_any_rank_starts(tmp_path, change, words):
     cfg = tiny_config(n_layers=3, n_heads=4, n_kv_heads=2, hidden_dim=96)

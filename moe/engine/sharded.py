@@ -4,12 +4,15 @@ The blocks are walked in order on every rank. The hidden states live on a set of
 values): a block's attention ranks (its owner, or its tensor group, which sums its heads by one all-reduce) attend;
 then either the group that splits every expert runs them and sums by one all-reduce, or the first attention rank
 routes and every rank enters the block's expert exchange (with no rows when it brings none). Between, the hidden
-states go by point-to-point sends to the ranks that need them and lack them. Every `Engine` call returns the same
-value on every rank, so a rank process and a torchrun process serve the same results.
+states go by point-to-point sends (or a broadcast over a group) to the ranks that need them and lack them. A block
+with replicated attention has every rank attend and route its own slice of the batch: the batch is split before
+it and gathered after it. Every `Engine` call returns the same value on every rank, so a rank process and a
+torchrun process serve the same results.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 
@@ -51,9 +54,13 @@ class ShardedEngine:
     def start(self, batch: int, length: int, pad_B: torch.Tensor) -> None:
         cfg = self.model.cfg
         kv_heads = {str(i): self.model.layers[str(i)].attention.n_kv_heads for i in self.my_blocks}  # this rank's
+        a, b = self._bounds(batch)[self.rank]  # a replicated block caches this rank's slice of the batch only
+        rows = {name: b - a if self.placement.strategy(int(name)).attention == "replicated" else batch
+                for name in kv_heads}
         if self.dist.device.type == "cuda":  # the user's process cannot see this GPU's free memory: check here
-            self._check_kv_fits(batch * length * sum(kv_heads.values()) * 2 * cfg.head_dim * self.dtype.itemsize)
-        self.caches = {name: KVCache(batch, n, length, cfg.head_dim, self.dtype, self.dist.device)
+            self._check_kv_fits(sum(rows[k] * n for k, n in kv_heads.items()) * length * 2 * cfg.head_dim
+                                * self.dtype.itemsize)
+        self.caches = {name: KVCache(rows[name], n, length, cfg.head_dim, self.dtype, self.dist.device)
                        for name, n in kv_heads.items()}
         self.padding = Padding.of(pad_B, self.dist.device)
 
@@ -98,6 +105,39 @@ class ShardedEngine:
             return None
         return h if self.rank in src else self.dist.recv(shape, self.dtype, src[0])
 
+    def _bounds(self, batch: int) -> list[tuple[int, int]]:
+        """Each rank's contiguous slice of the batch in replicated blocks: (first row, end)."""
+        sizes = [len(r) for r in torch.tensor_split(torch.arange(batch), self.dist.world_size)]
+        ends = [sum(sizes[:r + 1]) for r in range(len(sizes))]
+        return [(end - n, end) for n, end in zip(sizes, ends, strict=True)]
+
+    def _split(self, h: torch.Tensor | None, holders: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """Full hidden states on `holders` -> every rank its slice of the batch (the first holder sends the others
+        theirs)."""
+        bounds = self._bounds(shape[0])
+        if self.rank == holders[0]:
+            for r, (a, b) in enumerate(bounds):
+                if r not in holders and b > a:
+                    self.dist.send(h[a:b], r)
+        a, b = bounds[self.rank]
+        if self.rank in holders:
+            return h[a:b]
+        return self.dist.recv((b - a, *shape[1:]), self.dtype, holders[0]) if b > a else self.no_rows[0].new_empty(
+            (0, *shape[1:]))
+
+    def _join(self, h: torch.Tensor, dst: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor | None:
+        """Every rank's slice of the batch -> the full hidden states on the ranks `dst` (gathered on the first)."""
+        first = dst[0]
+        parts = []
+        for r, (a, b) in enumerate(self._bounds(shape[0])):
+            if b == a:
+                continue
+            if self.rank == first:
+                parts.append(h if r == first else self.dist.recv((b - a, *shape[1:]), self.dtype, r))
+            elif self.rank == r:
+                self.dist.send(h, first)
+        return self._move(torch.cat(parts) if self.rank == first else None, (first,), dst, shape)
+
     @torch.inference_mode()
     def tokens_to_logits(self, tokens_BS: torch.Tensor, start: int, padding: Padding | None,
                          caches: dict[str, KVCache] | None, last_only: bool) -> torch.Tensor | None:
@@ -110,13 +150,25 @@ class ShardedEngine:
         ctx = AttentionContext.build(cfg, B, S, start, padding, device, self.dtype) if self.my_blocks else None
         rows = real_token_rows(padding, S, start, device)
         self.step.most = B * S  # a block's first attention rank brings at most every token; the others none
-        holders = p.embed_ranks
+        mine = self._slice_inputs(ctx, padding, S, start, B)  # for replicated blocks: this rank's rows
+        holders, split = p.embed_ranks, False  # split: every rank holds its slice of the batch
         for name, block in self.model.layers.items():
             s = p.strategy(int(name))
-            h = self._move(h, holders, s.attention_ranks, shape)
+            cache = caches.get(name) if caches is not None else None
+            if s.attention == "replicated":
+                h, split = h if split else self._split(h, holders, shape), True
+                if h.shape[0]:
+                    h = block.feed(block.attend(h, mine[0], cache), start > 0, mine[1])
+                else:  # no sequence here: still take part in the block's exchanges
+                    block.feed_forward.run_experts(*self.no_rows)
+                continue
+            if split:
+                h, split = self._join(h, s.attention_ranks, shape), False
+            else:
+                h = self._move(h, holders, s.attention_ranks, shape)
             holders = s.attention_ranks
             if self.rank in holders:
-                h = block.attend(h, ctx, caches[name] if caches is not None else None)
+                h = block.attend(h, ctx, cache)
             # the experts: on the group that splits them all, or reached by the exchange from the first rank
             experts_at = s.expert_groups[0] if s.local_tensor_experts else (s.leader,)
             h = self._move(h, holders, experts_at, shape)
@@ -125,12 +177,23 @@ class ShardedEngine:
                 h = block.feed(h, start > 0, rows)
             elif not s.local_tensor_experts:  # still take part in this block's exchanges, with no rows of our own
                 block.feed_forward.run_experts(*self.no_rows)
-        h = self._move(h, holders, (p.head_rank,), shape)
+        h = self._join(h, (p.head_rank,), shape) if split else self._move(h, holders, (p.head_rank,), shape)
         if self.rank != self.head_rank:
             return None
         if last_only:
             h = h[:, -1:]
         return self.model.output(self.model.norm(h))
+
+    def _slice_inputs(self, ctx: AttentionContext | None, padding: Padding | None, seq: int, start: int,
+                      batch: int) -> tuple[AttentionContext | None, torch.Tensor | None]:
+        """The attention context and real-token rows of this rank's slice of the batch (replicated blocks)."""
+        if ctx is None or not any(self.placement.strategy(i).attention == "replicated" for i in self.my_blocks):
+            return None, None
+        a, b = self._bounds(batch)[self.rank]
+        pad = Padding.of(padding.host_B[a:b], self.dist.device) if padding is not None else None
+        mask = ctx.mask[a:b] if ctx.mask is not None and ctx.mask.shape[0] > 1 else ctx.mask
+        local = dataclasses.replace(ctx, cos=ctx.cos[a:b], sin=ctx.sin[a:b], mask=mask)
+        return local, real_token_rows(pad, seq, start, self.dist.device)
 
     # -- the Engine interface ----------------------------------------------------------------------
     def generate(self, ids: list[list[int]], params: SamplingParams, eos: int | None, context: int,

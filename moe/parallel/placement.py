@@ -59,14 +59,12 @@ class Placement:
         for i, owner in enumerate(self.block_ranks):
             ranks = (owner,) if attention == "layer" else everyone
             blocks.append(BlockStrategy(attention, ranks, experts, groups))
-            n = len(self.expert_ranks[i])
-            experts_at.append(tuple(groups[e * len(groups) // n] for e in range(n)) if experts == "tensor"
-                              else self.expert_ranks[i])
+            experts_at.append(None if experts == "tensor" else self.expert_ranks[i])  # over the groups, below
         # Attention split over all ranks and experts exchanged: the last block's result is on the first rank, so the
         # head goes there (no send per step); otherwise it stays on the last rank, beside no embedding.
         head = self.embed_rank if (attention, experts) == ("tensor", "expert") else self.head_rank
         return replace(self, block_ranks=tuple(b.leader for b in blocks), head_rank=head, blocks=tuple(blocks),
-                       expert_ranks=tuple(experts_at))
+                       expert_ranks=tuple(experts_at)).fill_experts(len(self.expert_ranks[0]))
 
     def fill_experts(self, n_experts: int) -> Placement:
         """Experts of blocks the plan leaves out (None): contiguous runs over the ranks, or, for experts split by
@@ -99,8 +97,9 @@ class Placement:
 
     @property
     def replicated(self) -> bool:
-        """Attention replicated over the batch (then in every block): each rank runs its slice of the batch."""
-        return self.blocks is not None and self.blocks[0].attention == "replicated"
+        """Attention replicated over the batch in every block: each rank runs the whole dense model on its slice of
+        the batch (`moe.engine.replicated`). Replicated in some blocks only, the batch is split for those."""
+        return self.blocks is not None and all(s.attention == "replicated" for s in self.blocks)
 
     @property
     def whole_experts(self) -> list[int]:
@@ -150,9 +149,6 @@ class Placement:
                     if tuple(ranks) not in s.expert_groups:
                         raise PlacementError(f"placement expert_ranks[{i}][{e}] = {list(ranks)} is not one of block "
                                              f"{i}'s expert groups {[list(g) for g in s.expert_groups]}")
-        if len({s.attention == "replicated" for s in self.blocks}) > 1:
-            raise PlacementError("attention 'replicated' splits the batch over the ranks for the whole model: use it "
-                                 "for every block or for none")
 
     def local_experts(self, block: int, rank: int) -> list[int]:
         """Global ids of the experts of `block` that `rank` holds, ascending."""

@@ -3,7 +3,7 @@
 Attention (with its norms and KV cache):
 - `layer`: one owner rank (layer placement, as Mistral's reference code splits layers over pipeline ranks);
 - `replicated`: every rank holds it and attends for its own slice of the batch (DeepSeek's data-parallel
-  attention); the whole model then runs batch-split, so it is all blocks or none;
+  attention); among other blocks, the batch is split over the ranks before it and gathered after it;
 - `tensor`: the heads split evenly over a group of ranks (Megatron's column-parallel q/k/v, row-parallel output
   and one all-reduce). With fewer KV heads than ranks, each KV head is held by every rank whose query heads use it.
 
