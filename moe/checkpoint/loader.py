@@ -122,11 +122,16 @@ class TensorReader:
     def info(self, name: str) -> TensorInfo:
         return self.tensors[name]
 
-    def empty(self, name: str, leading: tuple[int, ...] = (), device: torch.device | str = "cpu") -> torch.Tensor:
+    def empty(self, name: str, leading: tuple[int, ...] = (), device: torch.device | str = "cpu",
+              part: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """A buffer for the tensor `name` (or its slice `part`), `leading` dimensions first."""
         info = self.tensors[name]
         if info.dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{info.file.name}: tensor {name} has unsupported dtype {info.dtype}")
-        return torch.empty((*leading, *info.shape), dtype=SAFETENSORS_DTYPES[info.dtype], device=device)
+        shape = list(info.shape)
+        if part is not None:
+            shape[part[0]] = part[2] - part[1]
+        return torch.empty((*leading, *shape), dtype=SAFETENSORS_DTYPES[info.dtype], device=device)
 
     def _staging(self, like: torch.Tensor) -> torch.Tensor:
         """A pinned host buffer shaped like `like`, reused (grown to the largest tensor): reads for a GPU land
@@ -175,11 +180,7 @@ class TensorReader:
         return out
 
     def read(self, name: str, device: torch.device | str = "cpu", part: tuple[int, int, int] | None = None):
-        out = self.empty(name, device=device)
-        if part is not None:
-            dim, start, stop = part
-            out = out.narrow(dim, 0, stop - start).contiguous()
-        return self.read_into(name, out, part)
+        return self.read_into(name, self.empty(name, device=device, part=part), part)
 
 
 def fraction(info: TensorInfo, part: tuple[int, int, int] | None) -> float:
@@ -221,9 +222,7 @@ def read_parameter(reader: TensorReader, ckpt: CheckpointFormat, name: str, shap
     if is_stacked_expert(name):
         if not names:
             return torch.empty(shape, dtype=dtype, device=device)
-        t = reader.empty(names[0], (len(names),), device)  # one buffer, each expert read into its row
-        if part is not None:
-            t = torch.empty(shape, dtype=t.dtype, device=device)
+        t = reader.empty(names[0], (len(names),), device, part)  # one buffer, each expert read into its row
         for row, source in enumerate(names):
             reader.read_into(source, t[row], part)
         return t.to(device=device, dtype=dtype)  # no copy when already there
