@@ -69,3 +69,13 @@ def test_gpus_flag_is_refused_under_torchrun():
     assert run.returncode != 0  # torchrun itself then reports the failed processes, with its own traceback
     assert run.stderr.count("error: --gpus does not apply under torchrun") == 1
     assert "/moe/" not in run.stderr  # no traceback through our code
+
+
+def test_tensor_parallel_generate_under_torchrun_gives_the_one_process_text():
+    """Process subgroups made through torchrun's store; the strategy table printed once, by rank 0."""
+    args = ("--ckpt", str(TRAINED), "--prompt", PROMPT, "--max-new-tokens", "16")
+    one = script("generate", *args)
+    two = script("generate", *args, "--attention", "tensor", "--experts", "tensor", ranks=2)
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr + two.stderr)[-3000:]
+    assert continuation(two.stdout) == continuation(one.stdout)
+    assert two.stdout.count("tensor[0,1] / tensor[0,1]") == 1
