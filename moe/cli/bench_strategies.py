@@ -35,6 +35,7 @@ def compare_strategies(args: argparse.Namespace, path: Path, run_case) -> int:
     print(f"model: {path.name}, dim {cfg.dim}, {cfg.n_layers} blocks, {cfg.n_heads} heads ({cfg.n_kv_heads} KV), "
           f"{cfg.n_experts} experts top-{cfg.top_k}, F {cfg.hidden_dim}, {args.dtype}; {args.gpus} ranks, "
           f"{args.threads} thread(s) in all; medians of {args.repeats} runs")
+    one = run_case(args, "ours", 1, path)  # the 1-rank reference of the same run
     rows = {}
     for name in names:
         r = run_case(args, "ours", args.gpus, path, strategy=name)
@@ -46,6 +47,11 @@ def compare_strategies(args: argparse.Namespace, path: Path, run_case) -> int:
         r["kib_sent_per_token"] = [c["bytes_per_token"] / 1024 for c in counts]
         rows[name] = r
     print_strategies(rows)
+    if one is not None:
+        print(f"1 rank, same run: prefill {PREFILL / one['prefill_s']:.0f} tok/s, decode b1 "
+              f"{1 / one['decode1_step_s']:.1f} tok/s, b8 {8 / one['decode8_step_s']:.1f} tok/s; decode step at batch "
+              f"1 on {args.gpus} ranks over the 1-rank step: " + ", ".join(
+                  f"{name} {r['decode1_step_s'] / one['decode1_step_s']:.2f}x" for name, r in rows.items()))
     if args.json:
         args.json.write_text(json.dumps({"size": args.size, "dtype": args.dtype, "threads": args.threads,
                                          "ranks": args.gpus, "strategies": rows}, indent=1) + "\n")
