@@ -54,9 +54,10 @@ class CollectiveCounter:
         for name in COLLECTIVES + POINT_TO_POINT:
             method = getattr(DistContext, name)
             self._saved[name] = method
+            signature = inspect.signature(method)  # once per method, not per call
 
-            def counted(ctx, *args, _name=name, _method=method, **kwargs):
-                a = inspect.signature(_method).bind(ctx, *args, **kwargs)
+            def counted(ctx, *args, _name=name, _method=method, _sig=signature, **kwargs):
+                a = _sig.bind(ctx, *args, **kwargs)
                 a.apply_defaults()
                 ranks = a.arguments.get("ranks")
                 if ctx.distributed and (ranks is None or len(ranks) > 1):  # a group of one makes no call

@@ -183,11 +183,6 @@ class TensorReader:
         return self.read_into(name, self.empty(name, device=device, part=part), part)
 
 
-def fraction(info: TensorInfo, part: tuple[int, int, int] | None) -> float:
-    """The share of a tensor's bytes that reading `part` of it reads."""
-    return 1.0 if part is None else (part[2] - part[1]) / info.shape[part[0]]
-
-
 def byte_ranges(info: TensorInfo, part: tuple[int, int, int] | None) -> list[tuple[int, int]]:
     """(file offset, bytes) of each contiguous run of the tensor, or of its slice `part` = (dim, start, stop)."""
     if part is None:
@@ -264,10 +259,11 @@ def load_into(model: nn.Module, ckpt: CheckpointFormat, directory: str | Path, f
 
     with ExitStack() as stack:
         reader = TensorReader(tensors, stack, file_done, progress.update)
-        needed = sorted({s for names in sources.values() for s in names})
-        reader.expect(needed)
-        reads = {(n, slices.get(ours)) for ours, names in sources.items() for n in names}  # tied: one read
-        stack.enter_context(progress.start(sum(tensors[n].nbytes * fraction(tensors[n], part) for n, part in reads)))
+        # Each read once (a tied embedding is one read for two parameters, unless one of them is a slice).
+        reads = {(n, slices.get(ours)) for ours, names in sources.items() for n in names}
+        reader.expect([n for n, _ in reads])
+        stack.enter_context(progress.start(sum(n for name, part in reads
+                                               for _, n in byte_ranges(tensors[name], part))))
         unit = None
 
         def assign() -> None:  # the finished unit's tensors into the model (every name of the unit is in `state`)

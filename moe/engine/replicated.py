@@ -23,7 +23,7 @@ class ReplicatedAttentionEngine(ShardedEngine):
         return 0
 
     def my_rows(self, batch: int) -> torch.Tensor:
-        return torch.tensor_split(torch.arange(batch), self.dist.world_size)[self.rank]
+        return torch.arange(*self._bounds(batch)[self.rank])
 
     def start(self, batch: int, length: int, pad_B: torch.Tensor) -> None:
         rows = self.my_rows(batch)
@@ -47,8 +47,7 @@ class ReplicatedAttentionEngine(ShardedEngine):
 
     def _gather(self, local: torch.Tensor | None, batch: int, seq: int) -> torch.Tensor | None:
         """Every rank's logits rows, in batch order, on rank 0 (equal-size buffers: gather needs them)."""
-        world = self.dist.world_size
-        sizes = [len(r) for r in torch.tensor_split(torch.arange(batch), world)]
+        sizes = [b - a for a, b in self._bounds(batch)]
         V = self.model.cfg.vocab_size
         buf = torch.zeros(max(sizes), seq, V, dtype=self.dtype, device=self.dist.device)
         if local is not None:

@@ -26,6 +26,7 @@ from moe.memory import MemoryUse
 from moe.parallel.distributed import DistContext
 from moe.parallel.gather import StepRows
 from moe.parallel.placement import Placement
+from moe.parallel.strategies import balanced_slice
 from moe.progress import Progress
 from moe.reports.counters import local_load_stats, reset_load_stats, set_round_robin, track_entropy
 
@@ -40,6 +41,7 @@ class ShardedEngine:
         self.caches: dict[str, KVCache] = {}
         self.padding: Padding | None = None
         self.my_blocks = placement.attended_by(self.rank)
+        self.splits_batch = any(placement.strategy(i).attention == "replicated" for i in self.my_blocks)
         cfg = model.cfg  # what a rank sends when it has no token of its own in a block: made once, not per step
         self.no_rows = (torch.empty(0, cfg.dim, dtype=dtype, device=dist.device),
                         torch.empty(0, cfg.top_k, device=dist.device),
@@ -106,10 +108,9 @@ class ShardedEngine:
         return h if self.rank in src else self.dist.recv(shape, self.dtype, src[0])
 
     def _bounds(self, batch: int) -> list[tuple[int, int]]:
-        """Each rank's contiguous slice of the batch in replicated blocks: (first row, end)."""
-        sizes = [len(r) for r in torch.tensor_split(torch.arange(batch), self.dist.world_size)]
-        ends = [sum(sizes[:r + 1]) for r in range(len(sizes))]
-        return [(end - n, end) for n, end in zip(sizes, ends, strict=True)]
+        """Each rank's contiguous slice of the batch where attention is replicated: (first row, end)."""
+        slices = (balanced_slice(batch, self.dist.world_size, r) for r in range(self.dist.world_size))
+        return [(s.start, s.stop) for s in slices]
 
     def _split(self, h: torch.Tensor | None, holders: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         """Full hidden states on `holders` -> every rank its slice of the batch (the first holder sends the others
@@ -187,7 +188,7 @@ class ShardedEngine:
     def _slice_inputs(self, ctx: AttentionContext | None, padding: Padding | None, seq: int, start: int,
                       batch: int) -> tuple[AttentionContext | None, torch.Tensor | None]:
         """The attention context and real-token rows of this rank's slice of the batch (replicated blocks)."""
-        if ctx is None or not any(self.placement.strategy(i).attention == "replicated" for i in self.my_blocks):
+        if ctx is None or not self.splits_batch:
             return None, None
         a, b = self._bounds(batch)[self.rank]
         pad = Padding.of(padding.host_B[a:b], self.dist.device) if padding is not None else None

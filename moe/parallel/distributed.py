@@ -67,10 +67,13 @@ class DistContext:
         return t
 
     def has_group(self, ranks: tuple[int, ...]) -> bool:
-        return sorted(ranks) == list(range(self.world_size)) or ranks in self.groups
+        return self._is_world(ranks) or ranks in self.groups
 
     def _group(self, ranks: tuple[int, ...] | None):
-        return None if ranks is None or sorted(ranks) == list(range(self.world_size)) else self.groups[ranks]
+        return None if ranks is None or self._is_world(ranks) else self.groups[ranks]
+
+    def _is_world(self, ranks: tuple[int, ...]) -> bool:
+        return sorted(ranks) == list(range(self.world_size))
 
     def make_groups(self, groups: list[tuple[int, ...]]) -> None:
         """Collective: the process groups of tensor-parallel groups, made once and in the same order on every

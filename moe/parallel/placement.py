@@ -10,14 +10,9 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from moe.parallel.strategies import BlockStrategy, PlacementError, validate_block
+from moe.parallel.strategies import BlockStrategy, PlacementError, balanced_ranges, validate_block
 
-__all__ = ["Placement", "PlacementError", "resolve_placement"]
-
-
-def balanced_ranges(n_items: int, n_parts: int) -> list[int]:
-    """Sizes of n_parts contiguous ranges covering n_items, the first ones one larger when uneven."""
-    return [n_items // n_parts + (1 if p < n_items % n_parts else 0) for p in range(n_parts)]
+__all__ = ["Placement", "PlacementError", "balanced_ranges", "resolve_placement"]
 
 
 def owners_from_sizes(sizes: list[int]) -> list[int]:
@@ -76,8 +71,8 @@ class Placement:
         for i, held in enumerate(self.expert_ranks):
             s = self.strategy(i)
             owners = s.expert_groups if s.experts == "tensor" else tuple((r,) for r in range(self.world_size))
-            filled.append(held if held is not None else
-                          tuple(owners[e * len(owners) // n_experts] for e in range(n_experts)))
+            runs = owners_from_sizes(balanced_ranges(n_experts, len(owners)))  # as `default` places experts
+            filled.append(held if held is not None else tuple(owners[runs[e]] for e in range(n_experts)))
         return replace(self, expert_ranks=tuple(filled))
 
     def strategy(self, block: int) -> BlockStrategy:

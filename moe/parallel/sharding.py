@@ -58,7 +58,7 @@ def apply_expert_placement(model: Transformer, placement: Placement, rank: int,
         held = placement.local_experts(i, rank)
         s = placement.strategy(i)
         group = next((g for g in s.expert_groups if rank in g), None)
-        if s.experts == "tensor" and group is not None:
+        if group is not None:  # experts split by `tensor` over this rank's group
             split_experts(model, name, group, rank, held, device)
         else:
             with torch.device(device):

@@ -130,23 +130,21 @@ def _check_group(ranks: tuple[int, ...], what: str, world_size: int) -> None:
 
 def head_slices(n_heads: int, n_kv_heads: int, size: int, index: int) -> tuple[range, range]:
     """(query heads, KV heads) of member `index` of a tensor-parallel group of `size` ranks."""
-    per = n_heads // size
-    q = range(index * per, (index + 1) * per)
+    q = balanced_slice(n_heads, size, index)
     if n_kv_heads >= size:
-        kv_per = n_kv_heads // size
-        return q, range(index * kv_per, (index + 1) * kv_per)
+        return q, balanced_slice(n_kv_heads, size, index)
     kv = index // (size // n_kv_heads)  # fewer KV heads than ranks: the one KV head these query heads use
     return q, range(kv, kv + 1)
 
 
+def balanced_ranges(n_items: int, n_parts: int) -> list[int]:
+    """Sizes of n_parts contiguous ranges covering n_items, the first ones one larger when uneven."""
+    return [n_items // n_parts + (1 if p < n_items % n_parts else 0) for p in range(n_parts)]
+
+
 def balanced_slice(n: int, size: int, index: int) -> range:
-    """Member `index`'s contiguous part of `n` items over `size` members (the first ones one larger if uneven)."""
-    per, extra = divmod(n, size)
-    start = index * per + min(index, extra)
-    return range(start, start + per + (1 if index < extra else 0))
-
-
-def hidden_slice(hidden_dim: int, size: int, index: int) -> range:
-    """The rows of w1/w3 (columns of w2) that member `index` of an expert group of `size` ranks holds."""
-    per = hidden_dim // size
-    return range(index * per, (index + 1) * per)
+    """Member `index`'s range of `n` items split by `balanced_ranges` over `size` members (heads, the experts'
+    hidden dimension and the vocabulary over a tensor group; a batch over the ranks)."""
+    sizes = balanced_ranges(n, size)
+    start = sum(sizes[:index])
+    return range(start, start + sizes[index])

@@ -17,7 +17,7 @@ from models.basic import Linear
 from models.mixture import GroupedExperts, LocalDispatcher, weighted_sum
 from models.transformer import Transformer
 from moe.parallel.distributed import DistContext
-from moe.parallel.strategies import balanced_slice, head_slices, hidden_slice
+from moe.parallel.strategies import balanced_slice, head_slices
 
 Slice = tuple[int, int, int]  # (dim, start, stop) of the checkpoint's tensor
 
@@ -46,7 +46,7 @@ def split_experts(model: Transformer, block: str, group: tuple[int, ...], rank: 
                   device: torch.device | str = "meta") -> None:
     """Keep this rank's slice of the hidden dimension of each expert it holds: w1/w3 rows, w2 columns."""
     cfg = model.cfg
-    f = hidden_slice(cfg.hidden_dim, len(group), group.index(rank))
+    f = balanced_slice(cfg.hidden_dim, len(group), group.index(rank))  # even: the plan checked it divides
     with torch.device(device):
         model.layers[block].feed_forward.experts = GroupedExperts(cfg.dim, len(f), held)
     prefix = f"layers.{block}.feed_forward.experts."
