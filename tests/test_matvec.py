@@ -28,6 +28,28 @@ def naive(x, w, counts, scale):
     return y
 
 
+def int16_rows(x):
+    """The kernel's rounding of activation rows for int8 weights: x ~ sx * q with |q| <= 32767, q an integer."""
+    x = x.float()
+    top = x.abs().amax(dim=1, keepdim=True)
+    q = torch.where(top > 0, torch.round(x * (32767 / top)), 0).clamp(-32767, 32767)
+    return q, top / 32767
+
+
+def naive_int8(x, w, counts, scale):
+    """What the kernel computes for int8 weights: the exact integer dot of w and the rounded rows, times the row's
+    scale (in double, rounded to fp32), times the weight row's scale (fp32)."""
+    q, sx = int16_rows(x)
+    y = torch.zeros(x.shape[0], w.shape[1])
+    n = 0
+    for e, c in enumerate(counts):
+        for _ in range(c):
+            exact = w[e].double() @ q[n].double()  # integers below 2^53: exact
+            y[n] = (exact * sx[n].double()).float() * scale[e]
+            n += 1
+    return y
+
+
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", [512, 100, 31])  # whole 32-lane blocks, a tail, only a tail
@@ -41,14 +63,39 @@ def test_grouped_products_match_a_naive_loop(w_dtype, x_dtype, width):
     counts = [2, 0, 4]  # the middle weight gets no row; the 7th row belongs to no group
     scale = torch.rand(shape[:2], generator=g) if w_dtype == torch.int8 else None
     got = matvec.grouped(x, w, torch.tensor(counts), scale)
-    want = naive(x, w, counts, scale)
     assert got.dtype == x_dtype and got.shape == (N, shape[1])
+    if w_dtype == torch.int8:  # integer sums: exactly the emulated result, rounded once to the output dtype
+        assert torch.equal(got, naive_int8(x, w, counts, scale).to(x_dtype))
+    want = naive(x, w, counts, scale)
     tol = 1e-5 if x_dtype == torch.float32 else 8e-3  # fp32 sums in another order; bf16: one rounding of the result
-    assert torch.allclose(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+    if w_dtype == torch.int8:  # the activations' rounding to int16: at most max|x| / 65534 per element
+        bound = (w.float().abs() * scale[..., None]).sum(-1).amax() * x.float().abs().amax() / 65534
+        assert (got.float() - want).abs().max() <= bound + tol * want.abs().max()
+    else:
+        assert torch.allclose(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
     assert got[6].eq(0).all()
     # One row alone gives the same bits as in its group and batch.
     alone = matvec.grouped(x[3:4], w[2:3], None, scale[2:3] if scale is not None else None)
     assert torch.equal(alone[0], got[3])
+
+
+@torch.inference_mode()
+def test_int8_sums_cannot_overflow():
+    """Rows long enough for the int32 lanes to be widened twice, every term at its largest: the exact sum."""
+    width = 40000
+    w = torch.full((1, 2, width), -127, dtype=torch.int8)
+    x = torch.full((1, width), 3.0)
+    got = matvec.grouped(x, w, None, torch.ones(1, 2))
+    assert got.eq(-127 * 3.0 * width).all()
+
+
+@torch.inference_mode()
+def test_int8_rows_that_are_not_finite_take_the_fp32_path():
+    w = torch.randint(-127, 128, (1, 5, 64), dtype=torch.int8)
+    x = torch.randn(2, 64)
+    x[1, 7] = float("inf")
+    got = matvec.grouped(x, w, None, torch.ones(1, 5))
+    assert torch.allclose(got[0], w[0].float() @ x[0], rtol=1e-5, atol=1e-4) and not got[1].isfinite().any()
 
 
 def test_counts_that_exceed_the_rows_are_refused():
