@@ -124,3 +124,26 @@ def test_loading_converts_each_unit_as_soon_as_it_is_read():
 
     load_into(model, ckpt, TRAINED, shapes, torch.float32, "cpu", on_unit=on_unit)
     assert seen == ["tok_embeddings", *[f"layers.{i}" for i in range(ckpt.config.n_layers)], "norm", "output"]
+
+
+@torch.inference_mode()
+def test_bf16_attention_runs_in_fp32_where_the_cpu_has_no_bf16_instructions():
+    """Where torch's bf16 attention takes its generic path, a bf16 block attends in fp32 (q, k and v widened
+    exactly): the same answer as bf16 attention within its rounding, one rounding of the result."""
+    from models.attention import Attention, AttentionContext
+    from models.config import ModelConfig
+
+    cfg = ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96, n_experts=2, top_k=1,
+                      vocab_size=32)
+    attn = Attention(cfg)
+    randomize(attn)
+    attn.to(torch.bfloat16)
+    attn.prepare_weights("auto", int8=False)
+    assert attn.attend_fp32 == (not cpu_kernels.native_bf16())
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    ctx = AttentionContext.build(cfg, 2, 5, 0, None, x.device, torch.bfloat16)
+    answers = {}
+    for fp32 in (True, False):
+        attn.attend_fp32 = fp32
+        answers[fp32] = attn(x, ctx, None).float()
+    assert torch.allclose(answers[True], answers[False], rtol=2**-6, atol=2**-6 * answers[False].abs().max().item())
