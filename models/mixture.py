@@ -218,7 +218,8 @@ def weighted_sum(y_ND: torch.Tensor, meta: Dispatched) -> torch.Tensor:
     """Weight each expert result by its router weight and sum the K copies of every token."""
     weighted = (y_ND * meta.weight_N[:, None]).to(y_ND.dtype)  # weights are fp32; cast like the reference
     out_TD = torch.zeros(meta.n_tokens, y_ND.shape[1], dtype=y_ND.dtype, device=y_ND.device)
-    return out_TD.index_add_(0, meta.token_N, weighted)
+    # index_put_ rather than index_add_: the same sums in the same order, and a compiled step's C++ wrapper has it
+    return out_TD.index_put_((meta.token_N,), weighted, accumulate=True)
 
 
 class LocalDispatcher:
