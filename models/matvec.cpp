@@ -11,8 +11,9 @@
 // first rounded to 16-bit integers against its largest magnitude (x ~ sx * qx, |qx| <= 32767: an absolute error
 // of at most max|x| / 65534 per element, finer than bf16's rounding for every element within 1/128 of the row's
 // largest), and the dot product is summed exactly in integers (int16 x int8 pairs, int32 lanes widened to int64
-// every 16384 elements, so no sum can overflow): 2.5x fewer instructions per weight than widening each int8 to
-// fp32, and an exact sum whose order cannot matter. A row with a NaN or an infinity takes the fp32 path.
+// every 4096 elements, so no sum can overflow): 2.5x fewer instructions per weight than widening each int8 to
+// fp32, and an exact sum whose order cannot matter. A call whose rows hold a NaN or an infinity takes the fp32
+// path instead, so they propagate as they would in fp32.
 //
 // Built on first use by models/matvec.py (torch.utils.cpp_extension, with -fopenmp so that at::parallel_for
 // runs on torch's own OpenMP threads). Weights: fp32, bf16 or int8 (with per-row fp32 scales); activations
@@ -54,8 +55,8 @@ inline __m256i madd16(const int8_t* w, const int16_t* q) {  // 8 lanes of w[2j] 
   return _mm256_madd_epi16(wide, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
 }
 inline int64_t hsum64(__m256i v) {  // the 8 int32 lanes, summed in int64
-  __m256i lo = _mm256_cvtepi32_epi64(_mm256_castsi256_si128(v)), hi = _mm256_cvtepi32_epi64(_mm256_extracti128_si256(v, 1));
-  __m256i s = _mm256_add_epi64(lo, hi);
+  __m256i lo = _mm256_cvtepi32_epi64(_mm256_castsi256_si128(v));
+  __m256i s = _mm256_add_epi64(lo, _mm256_cvtepi32_epi64(_mm256_extracti128_si256(v, 1)));
   __m128i h = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
   return _mm_cvtsi128_si64(h) + _mm_extract_epi64(h, 1);
 }
