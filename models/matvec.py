@@ -10,9 +10,10 @@ host read of the counts.
 
 `grouped(x_ND, w_EOI, counts_E, scale_EO)`: y[n] = scale[e] * (w[e] @ x[n]) for the rows of expert e (rows
 grouped, counts[e] of them; rows past the last group are zeros). With int8 weights each row of x is rounded to
-int16 against its largest value and the products are summed exactly in integers (`matvec.cpp` says why). `available()` builds the kernel on first use
-(torch.utils.cpp_extension: a C++ compiler and ninja; about 20 s, once per torch installation, kept in torch's
-extension cache) and says whether it can run; without it the weights fall back to oneDNN or torch's products.
+int16 against its largest value and the products are summed exactly in integers (`matvec.cpp` says why).
+`available()` builds the kernel on first use (torch.utils.cpp_extension: a C++ compiler and ninja; about 20 s,
+once per torch installation, kept in torch's extension cache) and says whether it can run; without it the
+weights fall back to oneDNN or torch's products.
 """
 
 from __future__ import annotations
