@@ -110,35 +110,22 @@ inline int64_t dot_int(const int8_t* w, const int16_t* q, int64_t in) {
   return s;
 }
 
-// Activation rows as the kernel reads them. `rows` computes weight rows [0, count) (at w, their scales at s, or
-// none) against activation rows [first, first + n), into y[m * out + r].
+// Activation rows as the kernel reads them: `dot(w, m)` is weight row w against activation row m, unscaled by w's
+// scale. fp32 (bf16 activations widened once per call), or, for int8 weights, rounded to int16 (`to_int16`) and
+// summed exactly (`dot_int`).
 struct FloatRows {
   const float* x;
   int64_t in;
-  template <typename W, typename Out>
-  void rows(const W* w, const float* s, int64_t count, int64_t first, int64_t n, Out* y, int64_t out) const {
-    for (int64_t r = 0; r < count; ++r) {
-      for (int64_t m = first; m < first + n; ++m) {
-        const float v = dot_float(w + r * in, x + m * in, in);
-        y[m * out + r] = static_cast<Out>(s != nullptr ? v * s[r] : v);
-      }
-    }
-  }
+  template <typename W>
+  float dot(const W* w, int64_t m) const { return dot_float(w, x + m * in, in); }
 };
 
-// int8 weights: activation rows rounded to int16 (`to_int16`), summed exactly (`dot_int`).
 struct IntRows {
   const int16_t* q;
   const float* scale;  // of each activation row
   int64_t in;
-  template <typename Out>
-  void rows(const int8_t* w, const float* s, int64_t count, int64_t first, int64_t n, Out* y, int64_t out) const {
-    for (int64_t r = 0; r < count; ++r) {
-      for (int64_t m = first; m < first + n; ++m) {
-        const float v = static_cast<float>(static_cast<double>(dot_int(w + r * in, q + m * in, in)) * scale[m]);
-        y[m * out + r] = static_cast<Out>(s != nullptr ? v * s[r] : v);
-      }
-    }
+  float dot(const int8_t* w, int64_t m) const {
+    return static_cast<float>(static_cast<double>(dot_int(w, q + m * in, in)) * scale[m]);
   }
 };
 
@@ -172,12 +159,15 @@ void run(const Rows& x, const W* w, const float* scale, const std::vector<Group>
   const int64_t work = out_features * static_cast<int64_t>(groups.size());
   at::parallel_for(0, work, 64, [&](int64_t begin, int64_t end) {
     int64_t group = begin / out_features, row = begin % out_features;
-    for (int64_t item = begin; item < end; ++group, row = 0) {  // this range's rows of one group at a time
+    for (int64_t item = begin; item < end; ++item) {  // no division per row: the group and row advance
       const Group& g = groups[group];
-      const int64_t count = std::min(out_features - row, end - item), at = g.expert * out_features + row;
-      x.rows(w + at * in_features, scale != nullptr ? scale + at : nullptr, count, g.first_row, g.n_rows, y + row,
-             out_features);
-      item += count;
+      const int64_t at = g.expert * out_features + row;
+      const W* wr = w + at * in_features;
+      for (int64_t m = g.first_row; m < g.first_row + g.n_rows; ++m) {
+        const float v = x.dot(wr, m);
+        y[m * out_features + row] = static_cast<Out>(scale != nullptr ? v * scale[at] : v);
+      }
+      if (++row == out_features) row = 0, ++group;
     }
   });
 }
