@@ -218,8 +218,12 @@ def weighted_sum(y_ND: torch.Tensor, meta: Dispatched) -> torch.Tensor:
     """Weight each expert result by its router weight and sum the K copies of every token."""
     weighted = (y_ND * meta.weight_N[:, None]).to(y_ND.dtype)  # weights are fp32; cast like the reference
     out_TD = torch.zeros(meta.n_tokens, y_ND.shape[1], dtype=y_ND.dtype, device=y_ND.device)
-    # index_put_ rather than index_add_: the same sums in the same order, and a compiled step's C++ wrapper has it
-    return out_TD.index_put_((meta.token_N,), weighted, accumulate=True)
+    # With top-k <= 2 both give the same bits (a token's sum is 0 + a + b); with more copies the order of the
+    # roundings may differ. index_add_ is 9x faster on CPU (1024 rows of 512 into 512 tokens: 0.15 against 1.4
+    # ms); a compiled step's C++ wrapper has only index_put_.
+    if torch.compiler.is_compiling():
+        return out_TD.index_put_((meta.token_N,), weighted, accumulate=True)
+    return out_TD.index_add_(0, meta.token_N, weighted)
 
 
 class LocalDispatcher:

@@ -115,7 +115,7 @@ class Int8(LinearWeight):
         elif x.device.type == "cpu" and x2.shape[0] <= INT8_KERNEL_MAX_ROWS:
             out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.q, self.scale)
         elif x.device.type == "cpu" and not cpu_kernels.native_bf16():  # many rows, no bf16 instructions
-            out = (cpu_kernels.widened(x2, self.q) * self.scale32).to(x.dtype)
+            out = cpu_kernels.widened(x2, self.q).mul_(self.scale32).to(x.dtype)
         else:  # many rows with bf16 instructions, or a GPU (never run on CUDA)
             out = (F.linear(x2, self.q.to(x.dtype)).float() * self.scale32).to(x.dtype)
         return out.view(*x.shape[:-1], self.out_features)
