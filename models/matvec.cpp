@@ -8,9 +8,8 @@
 // result does not depend on its batch.
 //
 // fp32 and bf16 weights: 4 x 8 fp32 accumulators (bf16 widened on load). int8 weights: each activation row is
-// first rounded to 16-bit integers against its largest magnitude (x ~ sx * qx, |qx| <= 32767: an absolute error
-// of at most max|x| / 65534 per element, finer than bf16's rounding for every element within 1/128 of the row's
-// largest), and the dot product is summed exactly in integers (int16 x int8 pairs, int32 lanes widened to int64
+// first rounded to 16-bit integers against its largest magnitude (models/int8_rows.h), and the dot product is
+// summed exactly in integers (int16 x int8 pairs, int32 lanes widened to int64
 // every 4096 elements, so no sum can overflow): 2.5x fewer instructions per weight than widening each int8 to
 // fp32, and an exact sum whose order cannot matter. A call whose rows hold a NaN or an infinity takes the fp32
 // path instead, so they propagate as they would in fp32.
@@ -29,10 +28,7 @@
 #include <optional>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define MOE_MATVEC_AVX2 1
-#endif
+#include "int8_rows.h"
 
 namespace {
 
@@ -129,20 +125,12 @@ struct IntRows {
   }
 };
 
-// Rounds each row of x to int16 against its largest magnitude; false (nothing usable) if a row is not finite.
+// Rounds each row of x to int16 (`moe_cpu::quantize_row`); false (nothing usable) if a row is not finite.
 bool to_int16(const float* x, int64_t n, int64_t in, std::vector<int16_t>& q, std::vector<float>& scale) {
   q.resize(n * in);
   scale.resize(n);
   for (int64_t r = 0; r < n; ++r) {
-    const float* xr = x + r * in;
-    float top = 0.f;
-    for (int64_t i = 0; i < in; ++i) top = std::max(top, std::abs(xr[i]));
-    if (!std::isfinite(top)) return false;
-    scale[r] = top / 32767.f;
-    const float inv = top > 0.f ? 32767.f / top : 0.f;
-    for (int64_t i = 0; i < in; ++i) {
-      q[r * in + i] = static_cast<int16_t>(std::max(-32767.f, std::min(32767.f, std::nearbyint(xr[i] * inv))));
-    }
+    if (!moe_cpu::quantize_row(x + r * in, in, q.data() + r * in, scale.data() + r)) return false;
   }
   return true;
 }

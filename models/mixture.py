@@ -74,12 +74,13 @@ class GroupedExperts(nn.Module):
         self.stacks: tuple[torch.Tensor, torch.Tensor] | None = None
         self.scales: tuple[torch.Tensor, torch.Tensor] | None = None
         self.streamed = False
+        self.int8_prompts = False  # int8 stacks whose prompts run `matvec.int8_grouped` too
         self.offsets_on_device = False
 
     def forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor | list[int]) -> torch.Tensor:
         """x_ND holds counts_El[0] copies for stacked expert 0, then counts_El[1] for expert 1, ...
         A dispatcher that already read the counts on the host passes them as a list."""
-        if self.streamed and matvec.takes(x_ND.shape[0], matvec.EXPERT_MAX_ROWS):
+        if self.streamed and (matvec.takes(x_ND.shape[0], matvec.EXPERT_MAX_ROWS) or self.int8_prompts):
             return self.streamed_forward(x_ND, torch.as_tensor(counts_El))
         if self.offsets_on_device and self.stacks is not None and isinstance(counts_El, torch.Tensor):
             return self.grouped(x_ND, counts_El)
@@ -117,6 +118,7 @@ class GroupedExperts(nn.Module):
             q13, s13 = weights.quantize_each([torch.cat([w1[e], w3[e]]) for e in experts])
             q2, s2 = weights.quantize_each(list(w2))
             self.stacks, self.scales, self.streamed = (q13, q2), (s13, s2), True
+            self.int8_prompts = matvec.int8_prompts()
             self.kernels = [(weights.Int8(q13[e], s13[e], w1.dtype, True), weights.Int8(q2[e], s2[e], w1.dtype, True))
                             for e in experts]
         elif fmt is weights.Int8:
@@ -128,12 +130,14 @@ class GroupedExperts(nn.Module):
             setattr(self, name, weights.shape_only(getattr(self, name)))
 
     def streamed_forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor) -> torch.Tensor:
-        """All local experts in two calls of the streaming kernel, which reads the counts itself and only the
-        weights of experts that got rows. Rows past the last group come out as zeros."""
+        """All local experts in two calls of the streaming kernel (int8 prompts: of `matvec.int8_grouped`, the
+        same bits per row), which reads the counts itself and only the weights of experts that got rows. Rows past
+        the last group come out as zeros."""
         (w13, w2), (s13, s2) = self.stacks, self.scales or (None, None)
-        h = matvec.grouped(x_ND, w13, counts_El, s13)
+        product = matvec.grouped if matvec.takes(x_ND.shape[0], matvec.EXPERT_MAX_ROWS) else matvec.int8_grouped
+        h = product(x_ND, w13, counts_El, s13)
         hidden = w2.shape[2]
-        return matvec.grouped(F.silu(h[:, :hidden]).mul_(h[:, hidden:]), w2, counts_El, s2)
+        return product(F.silu(h[:, :hidden]).mul_(h[:, hidden:]), w2, counts_El, s2)
 
     def grouped(self, x_ND: torch.Tensor, counts_El: torch.Tensor) -> torch.Tensor:
         """All local experts in two grouped products whose group offsets stay on the device. Rows past the

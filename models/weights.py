@@ -8,7 +8,8 @@ linear weight once into a `LinearWeight`:
   (`models.matvec`), more rows oneDNN (fp32, from the plain weight) or MKL. CPU fp32/bf16 with `kernels="auto"`.
 - `OneDNN`: reordered into oneDNN's blocked layout (`models.cpu_kernels`; CPU fp32/bf16, `kernels="onednn"`).
 - `Dense`: the plain tensor and `F.linear` (GPUs; CPUs with `kernels="torch"`).
-- `Int8`: per-output-channel symmetric int8 (`scale = max|w_row| / 127`), products in the activation dtype.
+- `Int8`: per-output-channel symmetric int8 (`scale = max|w_row| / 127`); with our kernels every product is an
+  exact integer sum against activations rounded to int16, whatever the number of rows.
 
 `kernels="auto"` (the default) falls back to `"onednn"` where the streaming kernel cannot be built.
 
@@ -99,8 +100,9 @@ class OneDNN(LinearWeight):
 
 class Int8(LinearWeight):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, stream: bool) -> None:
-        """q [out, in] int8 and its fp32 scales [out] (`quantize`); `dtype` the activations'; `stream`: few rows
-        run the streaming kernel (fp32 scales), else torch's weight-only kernel (scales in the activations' dtype)."""
+        """q [out, in] int8 and its fp32 scales [out] (`quantize`); `dtype` the activations'; `stream`: our kernels
+        run it (few rows the streaming kernel, prompts `matvec.int8_grouped`: exact integer sums, the same bits per
+        row), else torch's weight-only kernel and widened products."""
         self.q, self.scale32, self.scale = q, scale, scale.to(dtype)
         self.out_features, self.stream = q.shape[0], stream
 
@@ -112,6 +114,8 @@ class Int8(LinearWeight):
         x2 = x.reshape(-1, x.shape[-1])
         if self.stream and matvec.takes(x2.shape[0]):
             out = matvec.grouped(x2, self.q[None], None, self.scale32[None])
+        elif self.stream and matvec.int8_prompts():  # the same bits per row as the decode kernel's
+            out = matvec.int8_grouped(x2, self.q[None], None, self.scale32[None])
         elif x.device.type == "cpu" and x2.shape[0] <= INT8_KERNEL_MAX_ROWS:
             out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.q, self.scale)
         elif x.device.type == "cpu" and not cpu_kernels.native_bf16():  # many rows, no bf16 instructions

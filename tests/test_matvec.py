@@ -32,7 +32,8 @@ def int16_rows(x):
     """The kernel's rounding of activation rows for int8 weights: x ~ sx * q with |q| <= 32767, q an integer."""
     x = x.float()
     top = x.abs().amax(dim=1, keepdim=True)
-    q = torch.where(top > 0, torch.round(x * (32767 / top)), 0).clamp(-32767, 32767)
+    inv = torch.full_like(top, 32767) / top  # as the kernel divides (`32767 / top` is 32767 * (1 / top) in torch)
+    q = torch.where(top > 0, torch.round(x * inv), 0).clamp(-32767, 32767)
     return q, top / 32767
 
 

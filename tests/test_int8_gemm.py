@@ -1,0 +1,76 @@
+"""The int8 prompt kernel (models/int8_gemm.cpp): the same bits, row for row, as the decode kernel and as a naive
+emulation of its integer sums; exact sums at any width; NaN and infinity propagate; a block's experts on a prompt
+give each row what a decode step would."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import matvec, weights
+from models.mixture import GroupedExperts
+from tests.test_matvec import naive_int8
+
+pytestmark = pytest.mark.skipif(not matvec.int8_prompts(), reason="the int8 prompt kernel needs an AVX2 build")
+
+
+@pytest.mark.parametrize("width", [512, 1792, 33, 7])  # one int32 pass, several (> 256 pairs), odd, short
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_int8_prompt_products_match_the_decode_kernel_bit_for_bit(width, x_dtype):
+    g = torch.Generator().manual_seed(width)
+    E, out, counts = 4, 101, [17, 0, 40, 13]  # 101: a short last panel and microkernel; expert 1 gets no rows
+    n = sum(counts) + 3  # rows past the last group come out as zeros
+    w = torch.randint(-127, 128, (E, out, width), generator=g, dtype=torch.int8)
+    scale = torch.rand(E, out, generator=g) / 100
+    x = (torch.randn(n, width, generator=g) * torch.rand(n, 1, generator=g) * 10).to(x_dtype)
+    c = torch.tensor(counts)
+    got = matvec.int8_grouped(x, w, c, scale)
+    assert got.dtype == x_dtype and got.shape == (n, out)
+    assert torch.equal(got, matvec.grouped(x, w, c, scale))
+    assert torch.equal(got.float(), naive_int8(x, w, counts, scale).to(x_dtype).float())
+    assert got[-3:].eq(0).all()
+    # A row alone gives the same bits as in its group.
+    assert torch.equal(matvec.int8_grouped(x[20:21], w[2:3], None, scale[2:3])[0], got[20])
+
+
+@torch.inference_mode()
+def test_int8_prompt_sums_cannot_overflow():
+    """Every term at its largest over 40000 columns: the int32 lanes are widened 79 times, the sum stays exact."""
+    width = 40000
+    w = torch.full((1, 7, width), -127, dtype=torch.int8)
+    x = torch.full((20, width), 3.0)
+    assert matvec.int8_grouped(x, w, None, torch.ones(1, 7)).eq(-127 * 3.0 * width).all()
+
+
+@pytest.mark.parametrize("kernel", [matvec.grouped, matvec.int8_grouped])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@torch.inference_mode()
+def test_int8_rows_that_are_not_finite_propagate(kernel, bad):
+    """A NaN or an infinity in a row must not round to a finite integer: the call computes in fp32."""
+    w = torch.randint(-127, 128, (1, 5, 64), dtype=torch.int8)
+    x = torch.randn(20, 64)
+    x[1, 7] = bad
+    got = kernel(x, w, None, torch.ones(1, 5))
+    assert not got[1].isfinite().any()
+    assert torch.allclose(got[0], w[0].float() @ x[0], rtol=1e-5, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_a_prompt_through_int8_experts_gives_each_row_its_decode_result():
+    torch.manual_seed(0)
+    experts = GroupedExperts(64, 96, list(range(4)))
+    for p in (experts.w1, experts.w2, experts.w3):
+        torch.nn.init.normal_(p, std=0.1)
+    experts.bfloat16()
+    weights.prepare(experts, "auto", int8=True)
+    assert experts.int8_prompts
+    counts = torch.tensor([30, 0, 41, 9])
+    x = torch.randn(80, 64).bfloat16()
+    prompt = experts(x, counts)
+    starts = [0, 30, 30, 71]
+    for e, first in enumerate(starts):  # each row alone, as a decode step computes it
+        for r in range(first, first + int(counts[e])):
+            one = torch.zeros(4, dtype=torch.long)
+            one[e] = 1
+            assert torch.equal(experts(x[r:r + 1], one)[0], prompt[r])
