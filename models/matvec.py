@@ -1,5 +1,5 @@
 """The CPU kernels of our own: grouped matrix-vector products that read each weight once (`matvec.cpp`, decode
-steps), and grouped int8 products for prompts (`int8_gemm.cpp`).
+steps), and grouped matrix products for prompts (`prompt_gemm.cpp`).
 
 Why a kernel of our own: a decode step is bound by reading weights, and none of torch's CPU products streams them
 at the memory's read rate for a few rows. Measured on a 2-core AMD EPYC (AVX2), one row against 40 distinct
@@ -12,9 +12,10 @@ host read of the counts.
 `grouped(x_ND, w_EOI, counts_E, scale_EO)`: y[n] = scale[e] * (w[e] @ x[n]) for the rows of expert e (rows
 grouped, counts[e] of them; rows past the last group are zeros). With int8 weights each row of x is rounded to
 int16 against its largest value and the products are summed exactly in integers (`matvec.cpp` says why).
-`int8_grouped(...)`, the same for many rows: the same bits per row, at a matrix product's rate (on the AVX2 EPYC,
-2 threads: 148 GFLOP/s for 128 rows against 3584 x 512, where widening the weight to fp32 for oneDNN gives 127).
-`available()` builds the kernel on first use (torch.utils.cpp_extension: a C++ compiler and ninja; about 20 s,
+`prompt_grouped(...)`, the same for many rows, at a matrix product's rate; with int8 weights the same bits per row
+(2 threads on the AVX2 EPYC, 128 rows against 3584 x 512: int8 200-220 GFLOP/s, bf16 170, fp32 160, where oneDNN
+gives 127-149; `prompt_gemm.cpp` has the figures).
+`available()` builds the kernels on first use (torch.utils.cpp_extension: a C++ compiler and ninja; 20-30 s,
 once per torch installation, kept in torch's extension cache) and says whether it can run; without it the
 weights fall back to oneDNN or torch's products.
 """
@@ -28,8 +29,9 @@ from pathlib import Path
 
 import torch
 
-# The decode kernel, the prompt kernel for int8 weights, and the activation rounding they share.
-SOURCES = [Path(__file__).with_name(name) for name in ("matvec.cpp", "int8_gemm.cpp", "int8_rows.h")]
+# The decode kernel, the prompt kernel, the activation rounding both use for int8, the prompt kernel's inner loops.
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("matvec.cpp", "prompt_gemm.cpp", "int8_rows.h", "gemm_micro.h")]
 # Up to this many rows per weight the kernel runs (a decode step, small batches); more rows (prompts) are bound
 # by arithmetic and go to oneDNN or MKL.
 MAX_ROWS = 8
@@ -61,8 +63,8 @@ def available() -> bool:
         flavour, flags = _simd_flags()
         name = f"moe_matvec_{flavour}_{_build_key()}"
         if not _built(cpp_extension, name):
-            print("building the CPU decode kernel (models/matvec.cpp), once per torch installation: about 20 s",
-                  file=sys.stderr)
+            print("building the CPU kernels (models/matvec.cpp, prompt_gemm.cpp), once per torch installation: "
+                  "20-30 s", file=sys.stderr)
         cpp_extension.load(name=name, sources=[str(p) for p in SOURCES if p.suffix == ".cpp"], is_python_module=False,
                            extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: the model still runs, on oneDNN/MKL
@@ -87,9 +89,9 @@ def _built(cpp_extension, name: str) -> bool:
         return False
 
 
-def int8_prompts() -> bool:
-    """Prompts with int8 weights run `int8_grouped`: the kernel is built with AVX2 (without it the prompt kernel
-    is plain C++, slower than widening the weights for oneDNN)."""
+def prompts() -> bool:
+    """Prompts run `prompt_grouped`: the kernels are built with AVX2 (without it the prompt kernel is plain C++,
+    slower than oneDNN)."""
     return available() and _simd_flags()[0] == "avx2"
 
 
@@ -103,7 +105,7 @@ def _register_fake() -> None:
     def _(x, w, counts, scale):
         return x.new_empty((x.shape[0], w.shape[1]))
 
-    @torch.library.register_fake("moe_cpu::int8_gemm")
+    @torch.library.register_fake("moe_cpu::grouped_gemm")
     def _(x, w, counts, scale):
         return x.new_empty((x.shape[0], w.shape[1]))
 
@@ -120,7 +122,7 @@ def grouped(x_ND: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor | No
     return torch.ops.moe_cpu.grouped_matvec(x_ND, w_EOI, counts_E, scale_EO)
 
 
-def int8_grouped(x_ND: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor | None,
-                 scale_EO: torch.Tensor) -> torch.Tensor:
-    """`grouped` for int8 weights and many rows (prompts): the same result, row for row, bit for bit."""
-    return torch.ops.moe_cpu.int8_gemm(x_ND, w_EOI, counts_E, scale_EO)
+def prompt_grouped(x_ND: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor | None = None,
+                   scale_EO: torch.Tensor | None = None) -> torch.Tensor:
+    """`grouped` for many rows (prompts); for int8 weights the same result, row for row, bit for bit."""
+    return torch.ops.moe_cpu.grouped_gemm(x_ND, w_EOI, counts_E, scale_EO)

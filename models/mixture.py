@@ -74,13 +74,13 @@ class GroupedExperts(nn.Module):
         self.stacks: tuple[torch.Tensor, torch.Tensor] | None = None
         self.scales: tuple[torch.Tensor, torch.Tensor] | None = None
         self.streamed = False
-        self.int8_prompts = False  # int8 stacks whose prompts run `matvec.int8_grouped` too
+        self.prompts = False  # streamed stacks whose prompts run `matvec.prompt_grouped` too
         self.offsets_on_device = False
 
     def forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor | list[int]) -> torch.Tensor:
         """x_ND holds counts_El[0] copies for stacked expert 0, then counts_El[1] for expert 1, ...
         A dispatcher that already read the counts on the host passes them as a list."""
-        if self.streamed and (matvec.takes(x_ND.shape[0], matvec.EXPERT_MAX_ROWS) or self.int8_prompts):
+        if self.streamed and (matvec.takes(x_ND.shape[0], matvec.EXPERT_MAX_ROWS) or self.prompts):
             return self.streamed_forward(x_ND, torch.as_tensor(counts_El))
         if self.offsets_on_device and self.stacks is not None and isinstance(counts_El, torch.Tensor):
             return self.grouped(x_ND, counts_El)
@@ -113,12 +113,13 @@ class GroupedExperts(nn.Module):
             self.stacks = (torch.cat([w1, w3], dim=1), w2)
             self.kernels = [(fmt(self.stacks[0][e]), fmt(w2[e])) for e in experts]
             self.streamed = fmt is weights.Streamed
+            self.prompts = self.streamed and weights.prompt_kernel(w1)
             self.offsets_on_device = w1.device.type == "cuda" and w1.dtype == torch.bfloat16  # _grouped_mm's case
         elif fmt is weights.Int8 and weights.streams(w1, kernels):  # quantized as stacks, likewise
             q13, s13 = weights.quantize_each([torch.cat([w1[e], w3[e]]) for e in experts])
             q2, s2 = weights.quantize_each(list(w2))
             self.stacks, self.scales, self.streamed = (q13, q2), (s13, s2), True
-            self.int8_prompts = matvec.int8_prompts()
+            self.prompts = matvec.prompts()
             self.kernels = [(weights.Int8(q13[e], s13[e], w1.dtype, True), weights.Int8(q2[e], s2[e], w1.dtype, True))
                             for e in experts]
         elif fmt is weights.Int8:
@@ -130,11 +131,11 @@ class GroupedExperts(nn.Module):
             setattr(self, name, weights.shape_only(getattr(self, name)))
 
     def streamed_forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor) -> torch.Tensor:
-        """All local experts in two calls of the streaming kernel (int8 prompts: of `matvec.int8_grouped`, the
+        """All local experts in two calls of the streaming kernel (prompts: of `matvec.prompt_grouped`; int8: the
         same bits per row), which reads the counts itself and only the weights of experts that got rows. Rows past
         the last group come out as zeros."""
         (w13, w2), (s13, s2) = self.stacks, self.scales or (None, None)
-        product = matvec.grouped if matvec.takes(x_ND.shape[0], matvec.EXPERT_MAX_ROWS) else matvec.int8_grouped
+        product = matvec.grouped if matvec.takes(x_ND.shape[0], matvec.EXPERT_MAX_ROWS) else matvec.prompt_grouped
         h = product(x_ND, w13, counts_El, s13)
         hidden = w2.shape[2]
         return product(F.silu(h[:, :hidden]).mul_(h[:, hidden:]), w2, counts_El, s2)

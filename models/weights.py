@@ -75,6 +75,8 @@ class Streamed(LinearWeight):
         x2 = x.reshape(-1, x.shape[-1])
         if matvec.takes(x2.shape[0]):
             out = matvec.grouped(x2, self.weight[None])
+        elif prompt_kernel(self.weight):
+            out = matvec.prompt_grouped(x2, self.weight[None])
         elif self.onednn:
             out = cpu_kernels.linear(x2, self.weight)
         elif x2.dtype == torch.bfloat16 and not cpu_kernels.native_bf16():
@@ -101,8 +103,8 @@ class OneDNN(LinearWeight):
 class Int8(LinearWeight):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, stream: bool) -> None:
         """q [out, in] int8 and its fp32 scales [out] (`quantize`); `dtype` the activations'; `stream`: our kernels
-        run it (few rows the streaming kernel, prompts `matvec.int8_grouped`: exact integer sums, the same bits per
-        row), else torch's weight-only kernel and widened products."""
+        run it (few rows the streaming kernel, prompts `matvec.prompt_grouped`: exact integer sums, the same bits
+        per row), else torch's weight-only kernel and widened products."""
         self.q, self.scale32, self.scale = q, scale, scale.to(dtype)
         self.out_features, self.stream = q.shape[0], stream
 
@@ -114,8 +116,8 @@ class Int8(LinearWeight):
         x2 = x.reshape(-1, x.shape[-1])
         if self.stream and matvec.takes(x2.shape[0]):
             out = matvec.grouped(x2, self.q[None], None, self.scale32[None])
-        elif self.stream and matvec.int8_prompts():  # the same bits per row as the decode kernel's
-            out = matvec.int8_grouped(x2, self.q[None], None, self.scale32[None])
+        elif self.stream and matvec.prompts():  # the same bits per row as the decode kernel's
+            out = matvec.prompt_grouped(x2, self.q[None], None, self.scale32[None])
         elif x.device.type == "cpu" and x2.shape[0] <= INT8_KERNEL_MAX_ROWS:
             out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.q, self.scale)
         elif x.device.type == "cpu" and not cpu_kernels.native_bf16():  # many rows, no bf16 instructions
@@ -155,6 +157,12 @@ class Part(LinearWeight):
 
     def dense(self) -> torch.Tensor:
         return self.whole.dense()[self.start:self.stop]
+
+
+def prompt_kernel(weight: torch.Tensor) -> bool:
+    """Prompts against this streamed fp32 or bf16 weight run our prompt kernel (`matvec.prompt_grouped`), faster
+    here than oneDNN: bf16 on CPUs without bf16 instructions (oneDNN needs the weight widened first), and fp32."""
+    return matvec.prompts() and (weight.dtype == torch.float32 or not cpu_kernels.native_bf16())
 
 
 def streams(weight: torch.Tensor, kernels: str) -> bool:

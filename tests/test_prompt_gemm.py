@@ -1,6 +1,7 @@
-"""The int8 prompt kernel (models/int8_gemm.cpp): the same bits, row for row, as the decode kernel and as a naive
-emulation of its integer sums; exact sums at any width; NaN and infinity propagate; a block's experts on a prompt
-give each row what a decode step would."""
+"""The prompt kernel (models/prompt_gemm.cpp). int8: the same bits, row for row, as the decode kernel and as a
+naive emulation of its integer sums; exact sums at any width; NaN and infinity propagate; a block's experts on a
+prompt give each row what a decode step would. fp32 and bf16 weights: fp32 products within rounding of float64,
+a row's result independent of its batch, zeros past the groups."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from models import matvec, weights
 from models.mixture import GroupedExperts
 from tests.test_matvec import naive_int8
 
-pytestmark = pytest.mark.skipif(not matvec.int8_prompts(), reason="the int8 prompt kernel needs an AVX2 build")
+pytestmark = pytest.mark.skipif(not matvec.prompts(), reason="the prompt kernel needs an AVX2 build")
 
 
 @pytest.mark.parametrize("width", [512, 1792, 33, 7])  # one int32 pass, several (> 256 pairs), odd, short
@@ -25,13 +26,13 @@ def test_int8_prompt_products_match_the_decode_kernel_bit_for_bit(width, x_dtype
     scale = torch.rand(E, out, generator=g) / 100
     x = (torch.randn(n, width, generator=g) * torch.rand(n, 1, generator=g) * 10).to(x_dtype)
     c = torch.tensor(counts)
-    got = matvec.int8_grouped(x, w, c, scale)
+    got = matvec.prompt_grouped(x, w, c, scale)
     assert got.dtype == x_dtype and got.shape == (n, out)
     assert torch.equal(got, matvec.grouped(x, w, c, scale))
     assert torch.equal(got.float(), naive_int8(x, w, counts, scale).to(x_dtype).float())
     assert got[-3:].eq(0).all()
     # A row alone gives the same bits as in its group.
-    assert torch.equal(matvec.int8_grouped(x[20:21], w[2:3], None, scale[2:3])[0], got[20])
+    assert torch.equal(matvec.prompt_grouped(x[20:21], w[2:3], None, scale[2:3])[0], got[20])
 
 
 @torch.inference_mode()
@@ -40,10 +41,10 @@ def test_int8_prompt_sums_cannot_overflow():
     width = 40000
     w = torch.full((1, 7, width), -127, dtype=torch.int8)
     x = torch.full((20, width), 3.0)
-    assert matvec.int8_grouped(x, w, None, torch.ones(1, 7)).eq(-127 * 3.0 * width).all()
+    assert matvec.prompt_grouped(x, w, None, torch.ones(1, 7)).eq(-127 * 3.0 * width).all()
 
 
-@pytest.mark.parametrize("kernel", [matvec.grouped, matvec.int8_grouped])
+@pytest.mark.parametrize("kernel", [matvec.grouped, matvec.prompt_grouped])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 @torch.inference_mode()
 def test_int8_rows_that_are_not_finite_propagate(kernel, bad):
@@ -64,7 +65,7 @@ def test_a_prompt_through_int8_experts_gives_each_row_its_decode_result():
         torch.nn.init.normal_(p, std=0.1)
     experts.bfloat16()
     weights.prepare(experts, "auto", int8=True)
-    assert experts.int8_prompts
+    assert experts.prompts
     counts = torch.tensor([30, 0, 41, 9])
     x = torch.randn(80, 64).bfloat16()
     prompt = experts(x, counts)
@@ -74,3 +75,27 @@ def test_a_prompt_through_int8_experts_gives_each_row_its_decode_result():
             one = torch.zeros(4, dtype=torch.long)
             one[e] = 1
             assert torch.equal(experts(x[r:r + 1], one)[0], prompt[r])
+
+
+@pytest.mark.parametrize("width", [512, 1792, 33])
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_float_prompt_products_are_fp32_products_independent_of_the_batch(width, w_dtype):
+    g = torch.Generator().manual_seed(width)
+    counts = [17, 0, 40, 13]
+    w = torch.randn(4, 101, width, generator=g).to(w_dtype)
+    x = torch.randn(sum(counts) + 3, width, generator=g).to(w_dtype)
+    got = matvec.prompt_grouped(x, w, torch.tensor(counts))
+    assert got.dtype == w_dtype and got[-3:].eq(0).all()
+    want = torch.cat([x[a:a + n].double() @ w[e].double().T
+                      for e, (a, n) in enumerate(zip([0, 17, 17, 57], counts, strict=True))])
+    tol = 2e-6 if w_dtype == torch.float32 else 8e-3  # fp32 sums; bf16: one rounding of the result
+    assert ((got[:70].double() - want).abs().max() / want.abs().max()) < tol
+    assert torch.equal(matvec.prompt_grouped(x[20:21], w[2:3])[0], got[20])  # alone, as in its group
+
+
+def test_prompt_products_refuse_a_scale_for_float_weights_and_need_one_for_int8():
+    with pytest.raises(RuntimeError, match="int8 weights need a scale"):
+        matvec.prompt_grouped(torch.zeros(2, 8), torch.zeros(1, 4, 8), None, torch.ones(1, 4))
+    with pytest.raises(RuntimeError, match="int8 weights need a scale"):
+        matvec.prompt_grouped(torch.zeros(2, 8), torch.zeros(1, 4, 8, dtype=torch.int8))
