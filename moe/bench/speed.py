@@ -142,6 +142,41 @@ def ours(path: str, gpus: int, dtype: str, threads: int, repeats: int, attention
                                                                strict=True)]}
 
 
+def products_alone(path: str, dtype: str, threads: int, repeats: int) -> dict:
+    """A batch-1 decode step's weight products alone, as the step calls them on 1 rank: q/k/v fused, the attention
+    output, two experts of every block in the two grouped calls, the head (the router's few rows left out). What a
+    step would take with nothing else in it, to set a whole step (ours, a peer's) against; called from Python, so
+    it includes about 5 us of call overhead per product (41 on `small`). Median of `repeats` x 5 runs of 10 steps."""
+    from moe import MoEModel
+
+    torch.set_num_threads(threads)
+    model = MoEModel.from_pretrained(path, dtype=dtype, gpus=1, threads=threads)
+    with model, torch.inference_mode():
+        net = model.engine.model
+        dt = net.norm.weight.dtype if dtype != "int8" else torch.bfloat16
+        cfg = net.cfg
+        x = torch.randn(1, cfg.dim).to(dt)
+        attn_out = torch.randn(1, cfg.n_heads * cfg.head_dim).to(dt)
+        counts = torch.zeros(cfg.n_experts, dtype=torch.long)
+        counts[:cfg.top_k] = 1  # k experts, one row each: what a token's step reads
+        rows = x.expand(cfg.top_k, -1).contiguous()
+
+        def step() -> None:
+            for block in net.layers.values():
+                block.attention.wqkv(x)
+                block.attention.wo(attn_out)
+                block.feed_forward.experts(rows, counts)
+            net.output(x)
+
+        times = []
+        for _ in range(5 * repeats):
+            t0 = time.perf_counter()
+            for _ in range(10):
+                step()
+            times.append((time.perf_counter() - t0) / 10)
+    return {"products_step_s": statistics.median(times)}
+
+
 class _Clock:
     """A transformers streamer that timestamps every put(): the prompt first, then each new token."""
 

@@ -72,9 +72,11 @@ def run_case(args: argparse.Namespace, impl: str, gpus: int, path: Path, strateg
 
 
 def case_main(args: argparse.Namespace) -> None:
-    from moe.bench.speed import ours, transformers_case
+    from moe.bench.speed import ours, products_alone, transformers_case
 
-    if args.case.startswith("ours"):
+    if args.case == "ours-products":
+        result = products_alone(args.ckpt, args.dtype, args.threads, args.repeats)
+    elif args.case.startswith("ours"):
         attention = "replicated" if args.case == "ours-replicated" else "layer"
         kernels = {"ours-torch-kernels": "torch", "ours-onednn": "onednn"}.get(args.case, "auto")
         exchange = "all-to-all" if args.case == "ours-all-to-all" else "auto"
@@ -142,6 +144,22 @@ def print_peers(rows: dict) -> None:
                       f"prefill {peer['prefill_s'] / one['prefill_s']:.2f}x (> 1: ours faster)")
         print(f"  llama-bench runs: decode {', '.join(f'{x:.1f}' for x in peer['decode_samples'])} tok/s, prefill "
               f"{', '.join(f'{x:.0f}' for x in peer['prefill_samples'])} tok/s")
+
+
+def print_products(products: dict, rows: dict, b: dict) -> None:
+    """The step's products alone against whole steps: what is left for everything else in a step."""
+    alone = products["products_step_s"]
+    print(f"products alone (1 rank, batch 1): {alone * 1e3:.2f} ms per step = {1 / alone:.1f} tok/s with nothing "
+          f"else in the step, reading {b['step_bytes'] / alone / 1e9:.1f} GB/s")
+    for name, r in rows.items():
+        if name in ("ours x1", "ours-compiled x1") or name.startswith("llama.cpp"):
+            step = r["decode1_step_s"]
+            print(f"  {name}: step {step * 1e3:.2f} ms = products alone + {(step - alone) * 1e3:.2f} ms")
+    for name, r in rows.items():
+        if name.startswith("llama.cpp"):
+            target = r["decode1_step_s"] / 1.1
+            print(f"  1.1x {name}'s decode needs a step of {target * 1e3:.2f} ms: "
+                  f"{(target - alone) * 1e3:.2f} ms besides the products")
 
 
 def print_exchange_counts(path: Path, args: argparse.Namespace) -> None:
@@ -226,6 +244,9 @@ def main(args: argparse.Namespace) -> int:
         rows[f"llama.cpp {GGUF_NAMES[args.dtype]}"] = llama.run(gguf, args.threads, args.repeats, PREFILL, NEW_TOKENS)
     print_table(rows, bounds)
     print_peers(rows)
+    products = run_case(args, "ours-products", 1, path)
+    if products is not None:
+        print_products(products, rows, bounds)
     print_comparisons(rows, args.gpus, bounds["cfg"])
     if args.gpus > 1:
         print_exchange_counts(path, args)
@@ -258,8 +279,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "ranks); 'all' for each of them")
     ap.add_argument("--strategy", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--case", choices=["ours", "ours-compiled", "ours-onednn", "ours-torch-kernels", "ours-all-to-all",
-                                       "ours-replicated",
-                                       "transformers"],
+                                       "ours-replicated", "ours-products", "transformers"],
                     help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 

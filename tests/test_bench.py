@@ -1,0 +1,32 @@
+"""scripts/bench.py's cases run in processes of their own and print one JSON line: the products-alone case, which
+sets a decode step's weight products against whole steps (ours and llama.cpp's)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moe.cli.bench import print_products
+from tests.checkpoints import ROOT, SHIPPED
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_the_products_alone_case_prints_a_step_time(dtype):
+    done = subprocess.run([sys.executable, "-m", "moe.cli.bench", "--case", "ours-products", "--ckpt", str(SHIPPED),
+                           "--gpus", "1", "--dtype", dtype, "--threads", "1", "--repeats", "1"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    step = json.loads(done.stdout.strip().splitlines()[-1])["products_step_s"]
+    assert 0 < step < 1
+
+
+def test_products_are_set_against_each_whole_step(capsys):
+    rows = {"ours x1": {"decode1_step_s": 0.012}, "llama.cpp F32": {"decode1_step_s": 0.0066}}
+    print_products({"products_step_s": 0.007}, rows, {"step_bytes": 214e6})
+    out = capsys.readouterr().out
+    assert "7.00 ms per step = 142.9 tok/s" in out and "30.6 GB/s" in out
+    assert "ours x1: step 12.00 ms = products alone + 5.00 ms" in out
+    assert "needs a step of 6.00 ms: -1.00 ms besides the products" in out
