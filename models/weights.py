@@ -5,7 +5,8 @@ A loaded model has plain parameters (`weight [out, in]`); `prepare(model, kernel
 linear weight once into a `LinearWeight`:
 
 - `Streamed`: the plain tensor; up to `matvec.MAX_ROWS` rows (decode steps) run the streaming kernel
-  (`models.matvec`), more rows oneDNN (fp32, from the plain weight) or MKL. CPU fp32/bf16 with `kernels="auto"`.
+  (`models.matvec`), more rows (prompts) the prompt kernel (`matvec.prompt_grouped`). CPU fp32/bf16 with
+  `kernels="auto"`.
 - `OneDNN`: reordered into oneDNN's blocked layout (`models.cpu_kernels`; CPU fp32/bf16, `kernels="onednn"`).
 - `Dense`: the plain tensor and `F.linear` (GPUs; CPUs with `kernels="torch"`).
 - `Int8`: per-output-channel symmetric int8 (`scale = max|w_row| / 127`); with our kernels every product is an
@@ -63,9 +64,10 @@ class Dense(LinearWeight):
 
 
 class Streamed(LinearWeight):
-    """The plain weight, read by the streaming kernel for a few rows. Prompts go to oneDNN from the plain weight
-    (fp32, or bf16 on CPUs with bf16 instructions; 0-35% slower than its packed layout from 64 rows on, the price
-    of holding one copy), or, bf16 without those instructions, widened to fp32 first (`cpu_kernels.widened`)."""
+    """The plain weight, read by the streaming kernel for a few rows and by the prompt kernel for many
+    (`prompt_kernel`). Where that is not built with AVX2, or for bf16 on CPUs with bf16 instructions, prompts go to
+    oneDNN from the plain weight (0-35% slower than its packed layout from 64 rows on, the price of holding one
+    copy), or, bf16 without those instructions, widened to fp32 first (`cpu_kernels.widened`)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight, self.out_features = weight.detach().contiguous(), weight.shape[0]
