@@ -33,7 +33,7 @@ import torch
 SOURCES = [Path(__file__).with_name(name)
            for name in ("matvec.cpp", "prompt_gemm.cpp", "int8_rows.h", "gemm_micro.h")]
 # Up to this many rows per weight the kernel runs (a decode step, small batches); more rows (prompts) are bound
-# by arithmetic and go to oneDNN or MKL.
+# by arithmetic and go to the prompt kernel (or oneDNN, MKL where it does not run).
 MAX_ROWS = 8
 # A block's experts share the rows of a step: up to this many copies (a decode batch of 16 at top-2) they run as
 # one grouped call.

@@ -71,13 +71,13 @@ class Streamed(LinearWeight):
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight, self.out_features = weight.detach().contiguous(), weight.shape[0]
-        self.onednn = cpu_kernels.can_pack(self.weight)
+        self.prompts, self.onednn = prompt_kernel(self.weight), cpu_kernels.can_pack(self.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         if matvec.takes(x2.shape[0]):
             out = matvec.grouped(x2, self.weight[None])
-        elif prompt_kernel(self.weight):
+        elif self.prompts:
             out = matvec.prompt_grouped(x2, self.weight[None])
         elif self.onednn:
             out = cpu_kernels.linear(x2, self.weight)
