@@ -146,7 +146,7 @@ def products_alone(path: str, dtype: str, threads: int, repeats: int) -> dict:
     """A batch-1 decode step's weight products alone, as the step calls them on 1 rank: q/k/v fused, the attention
     output, two experts of every block in the two grouped calls, the head (the router's few rows left out). What a
     step would take with nothing else in it, to set a whole step (ours, a peer's) against; called from Python, so
-    it includes about 5 us of call overhead per product (41 on `small`). Median of `repeats` x 5 runs of 10 steps."""
+    it includes about 5 us of call overhead per product (33 on `small`). Median of `repeats` x 5 runs of 10 steps."""
     from moe import MoEModel
 
     torch.set_num_threads(threads)
