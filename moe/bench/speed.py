@@ -144,9 +144,10 @@ def ours(path: str, gpus: int, dtype: str, threads: int, repeats: int, attention
 
 def products_alone(path: str, dtype: str, threads: int, repeats: int) -> dict:
     """A batch-1 decode step's weight products alone, as the step calls them on 1 rank: q/k/v fused, the attention
-    output, two experts of every block in the two grouped calls, the head (the router's few rows left out). What a
-    step would take with nothing else in it, to set a whole step (ours, a peer's) against; called from Python, so
-    it includes about 5 us of call overhead per product (33 on `small`). Median of `repeats` x 5 runs of 10 steps."""
+    output, two experts of every block in the two grouped calls (with the SwiGLU between), the head (the router's
+    few rows left out). What a step would take with nothing else in it, to set a whole step (ours, a peer's)
+    against: called from Python (about 5-15 us per call on top) and, as the compiled step calls them, from
+    inductor's C++ wrapper. Medians of `repeats` x 5 runs of 10 steps."""
     from moe import MoEModel
 
     torch.set_num_threads(threads)
@@ -168,13 +169,21 @@ def products_alone(path: str, dtype: str, threads: int, repeats: int) -> dict:
                 block.feed_forward.experts(rows, counts)
             net.output(x)
 
-        times = []
-        for _ in range(5 * repeats):
-            t0 = time.perf_counter()
-            for _ in range(10):
-                step()
-            times.append((time.perf_counter() - t0) / 10)
-    return {"products_step_s": statistics.median(times)}
+        def median_step(fn) -> float:
+            fn()  # warm-up (compiled: the compile)
+            times = []
+            for _ in range(5 * repeats):
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    fn()
+                times.append((time.perf_counter() - t0) / 10)
+            return statistics.median(times)
+
+        result = {"products_step_s": median_step(step)}
+        if net.norm.weight.device.type == "cpu":
+            result["products_compiled_step_s"] = median_step(
+                torch.compile(step, fullgraph=True, dynamic=False, options={"cpp_wrapper": True}))
+    return result
 
 
 class _Clock:
