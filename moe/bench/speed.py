@@ -162,12 +162,12 @@ def products_alone(path: str, dtype: str, threads: int, repeats: int) -> dict:
         counts[:cfg.top_k] = 1  # k experts, one row each: what a token's step reads
         rows = x.expand(cfg.top_k, -1).contiguous()
 
-        def step() -> None:
+        def step() -> list[torch.Tensor]:  # returned: a compiled step would drop products whose results go unused
+            outs = []
             for block in net.layers.values():
-                block.attention.wqkv(x)
-                block.attention.wo(attn_out)
-                block.feed_forward.experts(rows, counts)
-            net.output(x)
+                attention = block.attention
+                outs += [attention.wqkv(x), attention.wo(attn_out), block.feed_forward.experts(rows, counts)]
+            return outs + [net.output(x)]
 
         def median_step(fn) -> float:
             fn()  # warm-up (compiled: the compile)
