@@ -62,4 +62,11 @@ inline bool quantize_row(const float* x, int64_t in, int16_t* q, float* scale) {
   return true;
 }
 
+// A row's exact integer dot product, scaled back by the row's scale: in double (exact for any sum of int8 x
+// int16 terms below 2^53), rounded once to fp32. Both kernels finish every int8 product here, then multiply by the
+// weight row's scale in fp32: that is what makes their results the same bits.
+inline float scaled_sum(int64_t sum, float x_scale) {
+  return static_cast<float>(static_cast<double>(sum) * x_scale);
+}
+
 }  // namespace moe_cpu

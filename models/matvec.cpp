@@ -121,7 +121,7 @@ struct IntRows {
   const float* scale;  // of each activation row
   int64_t in;
   float dot(const int8_t* w, int64_t m) const {
-    return static_cast<float>(static_cast<double>(dot_int(w, q + m * in, in)) * scale[m]);
+    return moe_cpu::scaled_sum(dot_int(w, q + m * in, in), scale[m]);
   }
 };
 

@@ -44,7 +44,7 @@ struct Group {
 };
 
 // int8 weights: lanes are int16 pairs, totals exact int64, finished with the row's and the weight row's scales
-// as the decode kernel does ((sum * x scale) in double, rounded to fp32, times the weight's scale).
+// as the decode kernel does (`moe_cpu::scaled_sum`, then the weight's scale in fp32).
 struct Int8Kind {
   using Lane = int32_t;
   using Wide = int16_t;
@@ -67,7 +67,7 @@ struct Int8Kind {
     moe_cpu::micro_int8(A, B, stride(), d0, d1, tot);
   }
   float finish(Total t, int64_t m, int64_t e, int64_t col) const {
-    return static_cast<float>(static_cast<double>(t) * x_scale[m]) * scale[e * out + col];
+    return moe_cpu::scaled_sum(t, x_scale[m]) * scale[e * out + col];
   }
 };
 

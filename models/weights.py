@@ -109,6 +109,7 @@ class Int8(LinearWeight):
         per row), else torch's weight-only kernel and widened products."""
         self.q, self.scale32, self.scale = q, scale, scale.to(dtype)
         self.out_features, self.stream = q.shape[0], stream
+        self.prompts = stream and matvec.prompts()  # decided once, as for `Streamed`
 
     @classmethod
     def of(cls, weight: torch.Tensor, kernels: str = "auto") -> Int8:
@@ -118,7 +119,7 @@ class Int8(LinearWeight):
         x2 = x.reshape(-1, x.shape[-1])
         if self.stream and matvec.takes(x2.shape[0]):
             out = matvec.grouped(x2, self.q[None], None, self.scale32[None])
-        elif self.stream and matvec.prompts():  # the same bits per row as the decode kernel's
+        elif self.prompts:  # the same bits per row as the decode kernel's
             out = matvec.prompt_grouped(x2, self.q[None], None, self.scale32[None])
         elif x.device.type == "cpu" and x2.shape[0] <= INT8_KERNEL_MAX_ROWS:
             out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.q, self.scale)

@@ -18,14 +18,19 @@ from models.transformer import Transformer
 CACHE_BUCKET = 256  # cache lengths are multiples of this: few shapes, each a compile; at most 255 slots unused
 
 
+def compile_step(step, device: torch.device):
+    """`step` compiled as a decode step is: one graph of static shapes; on CUDA a CUDA graph, on CPU called from a
+    C++ wrapper (0.3-0.5 ms less per step than inductor's Python one)."""
+    if device.type == "cuda":
+        return torch.compile(step, fullgraph=True, dynamic=False, mode="reduce-overhead")
+    return torch.compile(step, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
+
+
 class CompiledDecode:
     def __init__(self, model: Transformer) -> None:
         self.model = model
         self.device = model.norm.weight.device
-        if self.device.type == "cuda":
-            self.step = torch.compile(model.decode_step, fullgraph=True, dynamic=False, mode="reduce-overhead")
-        else:  # a C++ wrapper calls the step's kernels: 0.3-0.5 ms less per step than inductor's Python one
-            self.step = torch.compile(model.decode_step, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
+        self.step = compile_step(model.decode_step, self.device)
         self.slot = torch.zeros(1, dtype=torch.long, device=self.device)  # the step's cache slot, set in place
         self.caches: dict[str, KVCache] | None = None
 
