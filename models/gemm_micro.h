@@ -37,10 +37,12 @@ inline void micro_int8(const int32_t* A, const int16_t* B, int64_t stride, int64
 #undef MOE_PAIR
   }
   const __m256i acc[2 * COLS] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
-  alignas(32) int32_t lanes[8];
   for (int64_t v = 0; v < 2 * COLS; ++v) {  // vector v: weight row v / 2, activation rows 8 (v % 2) .. + 7
-    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc[v]);
-    for (int64_t r = 0; r < 8; ++r) tot[v * 8 + r] += lanes[r];
+    __m256i* t = reinterpret_cast<__m256i*>(tot + v * 8);
+    const __m256i lo = _mm256_cvtepi32_epi64(_mm256_castsi256_si128(acc[v]));
+    const __m256i hi = _mm256_cvtepi32_epi64(_mm256_extracti128_si256(acc[v], 1));
+    _mm256_storeu_si256(t, _mm256_add_epi64(_mm256_loadu_si256(t), lo));
+    _mm256_storeu_si256(t + 1, _mm256_add_epi64(_mm256_loadu_si256(t + 1), hi));
   }
 #else
   const int16_t* a = reinterpret_cast<const int16_t*>(A);

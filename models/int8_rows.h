@@ -7,6 +7,8 @@
 
 #pragma once
 
+#include <c10/util/BFloat16.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -18,8 +20,18 @@
 
 namespace moe_cpu {
 
-// Rounds x[0:in] into q[0:in]; false (q unusable) if the row holds a NaN or an infinity.
-inline bool quantize_row(const float* x, int64_t in, int16_t* q, float* scale) {
+#ifdef MOE_MATVEC_AVX2
+inline __m256 load_floats(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_floats(const c10::BFloat16* p) {  // bf16 is the top half of an fp32: widened exactly
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+#endif
+
+// Rounds x[0:in] (fp32 or bf16, the same bits either way) into q[0:in]; false (q unusable) if the row holds a NaN
+// or an infinity.
+template <typename X>
+inline bool quantize_row(const X* x, int64_t in, int16_t* q, float* scale) {
   int64_t i = 0;
   float top = 0.f;
   bool nan = false;
@@ -27,7 +39,7 @@ inline bool quantize_row(const float* x, int64_t in, int16_t* q, float* scale) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 top8 = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
   for (; i + 8 <= in; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 v = load_floats(x + i);
     top8 = _mm256_max_ps(top8, _mm256_andnot_ps(sign, v));
     unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
   }
@@ -37,8 +49,9 @@ inline bool quantize_row(const float* x, int64_t in, int16_t* q, float* scale) {
   nan = _mm256_movemask_ps(unordered) != 0;
 #endif
   for (int64_t k = i; k < in; ++k) {
-    nan = nan || std::isnan(x[k]);
-    top = std::max(top, std::abs(x[k]));
+    const float v = static_cast<float>(x[k]);
+    nan = nan || std::isnan(v);
+    top = std::max(top, std::abs(v));
   }
   if (nan || !std::isfinite(top)) return false;
   *scale = top / 32767.f;
@@ -48,8 +61,8 @@ inline bool quantize_row(const float* x, int64_t in, int16_t* q, float* scale) {
   const __m256 inv8 = _mm256_set1_ps(inv), hi = _mm256_set1_ps(32767.f), lo = _mm256_set1_ps(-32767.f);
   for (; i + 16 <= in; i += 16) {  // nearest, ties to even, as std::nearbyint in the default rounding mode
     const int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    __m256 a = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv8), mode);
-    __m256 b = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), inv8), mode);
+    __m256 a = _mm256_round_ps(_mm256_mul_ps(load_floats(x + i), inv8), mode);
+    __m256 b = _mm256_round_ps(_mm256_mul_ps(load_floats(x + i + 8), inv8), mode);
     a = _mm256_max_ps(lo, _mm256_min_ps(hi, a));
     b = _mm256_max_ps(lo, _mm256_min_ps(hi, b));
     const __m256i packed = _mm256_packs_epi32(_mm256_cvtps_epi32(a), _mm256_cvtps_epi32(b));
@@ -57,7 +70,8 @@ inline bool quantize_row(const float* x, int64_t in, int16_t* q, float* scale) {
   }
 #endif
   for (; i < in; ++i) {
-    q[i] = static_cast<int16_t>(std::max(-32767.f, std::min(32767.f, std::nearbyint(x[i] * inv))));
+    const float v = std::nearbyint(static_cast<float>(x[i]) * inv);
+    q[i] = static_cast<int16_t>(std::max(-32767.f, std::min(32767.f, v)));
   }
   return true;
 }
@@ -68,5 +82,16 @@ inline bool quantize_row(const float* x, int64_t in, int16_t* q, float* scale) {
 inline float scaled_sum(int64_t sum, float x_scale) {
   return static_cast<float>(static_cast<double>(sum) * x_scale);
 }
+
+#ifdef MOE_MATVEC_AVX2
+// scaled_sum of 4 sums at once, the same bits: each sum becomes a double exactly (by the 1.5 * 2^52 trick, exact
+// for |sum| < 2^51: the prompt kernel takes rows of at most 2^28 values, whose sums stay below 127 * 32767 * 2^28),
+// then the same double product, rounded once to fp32.
+inline __m128 scaled_sum4(__m256i sums, __m128 x_scales) {
+  const __m256i magic = _mm256_set1_epi64x(0x4338000000000000);
+  const __m256d exact = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_add_epi64(sums, magic)), _mm256_castsi256_pd(magic));
+  return _mm256_cvtpd_ps(_mm256_mul_pd(exact, _mm256_cvtps_pd(x_scales)));
+}
+#endif
 
 }  // namespace moe_cpu

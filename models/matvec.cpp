@@ -37,11 +37,8 @@ inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
 inline float widen(int8_t v) { return static_cast<float>(v); }
 
 #ifdef MOE_MATVEC_AVX2
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
-  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
+inline __m256 load8(const float* p) { return moe_cpu::load_floats(p); }
+inline __m256 load8(const c10::BFloat16* p) { return moe_cpu::load_floats(p); }
 inline __m256 load8(const int8_t* p) {
   __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));

@@ -29,9 +29,10 @@ from pathlib import Path
 
 import torch
 
-# The decode kernel, the prompt kernel, the activation rounding both use for int8, the prompt kernel's inner loops.
+# The decode kernel, the prompt kernel, the activation rounding both use for int8, the prompt kernel's inner loops
+# and its moves between rows and blocks.
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("matvec.cpp", "prompt_gemm.cpp", "int8_rows.h", "gemm_micro.h")]
+           for name in ("matvec.cpp", "prompt_gemm.cpp", "int8_rows.h", "gemm_micro.h", "gemm_layout.h")]
 # Up to this many rows per weight the kernel runs (a decode step, small batches); more rows (prompts) are bound
 # by arithmetic and go to the prompt kernel (or oneDNN, MKL where it does not run).
 MAX_ROWS = 8

@@ -10,15 +10,18 @@
 // fp32 and bf16 weights: fp32 products and sums, each output summed over the columns in order in chunks of 256,
 // so a row's result does not depend on its batch either (it is not the decode kernel's order: 4 x 8 lanes).
 //
-// Layout: rows are taken 16 at a time and transposed so that one vector lane holds one row (int8: a 32-bit lane
-// holds a row's two int16 values of a pair of columns), weight rows are widened (int16 or fp32), 48 at a time,
-// and a 16 x 6 block of outputs is 12 vector accumulators (models/gemm_micro.h); 256 steps of the depth of 16
-// rows (16 KB) stay in L1 while the 48 weight rows pass. Work items of equal cost (a panel of weight rows
-// against a block of rows; a thread widens a panel once for its consecutive items on it).
+// Layout: rows are taken 16 at a time (read in their own dtype, bf16 or fp32) and transposed so that one vector
+// lane holds one row (int8: a 32-bit lane holds a row's two int16 values of a pair of columns), weight rows are
+// widened (int16 or fp32), 48 at a time, and a 16 x 6 block of outputs is 12 vector accumulators
+// (models/gemm_micro.h); 256 steps of the depth of 16 rows (16 KB) stay in L1 while the 48 weight rows pass. Work
+// items of equal cost (a panel of weight rows against a block of rows; a thread widens a panel once for its
+// consecutive items on it). A finished 16 x 48 block goes to its rows through 8 x 8 transposes
+// (models/gemm_layout.h): written one value at a time, the finish took a sixth of the time at depth 512.
 //
-// 2 threads on the AVX2 EPYC: int8 200-230 GFLOP/s for 64-512 rows against in = 512 .. 14336, where oneDNN on
-// the weights widened to fp32 gives 95-141 (vpmaddwd: 16 products per instruction, an FMA 8); bf16 157-175
-// against 132-165 (the widened weights never leave the cache); fp32 155-175 against oneDNN's 142-172.
+// 2 threads on the AVX2 EPYC (3.2 GHz), 64-512 rows against in = 512 .. 14336: int8 238-263 GFLOP/s (the inner
+// loop alone, in cache: 1.5 vpmaddwd a cycle, ~300), where oneDNN on the weights widened to fp32 gives 95-141;
+// bf16 148-176 against oneDNN's 132-165 (the widened weights never leave the cache); fp32 145-175 against
+// 142-172.
 
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
@@ -30,6 +33,7 @@
 #include <optional>
 #include <vector>
 
+#include "gemm_layout.h"
 #include "gemm_micro.h"
 
 namespace {
@@ -55,7 +59,8 @@ struct Int8Kind {
   std::vector<float> x_scale;
 
   int64_t stride() const { return 2 * depth; }
-  bool row(const float* x, int64_t m, Wide* tmp, const Lane** lanes) {
+  template <typename X>
+  bool row(const X* x, int64_t m, Wide* tmp, const Lane** lanes) {
     *lanes = reinterpret_cast<const Lane*>(tmp);
     return moe_cpu::quantize_row(x, in, tmp, &x_scale[m]);  // tmp's last value stays 0 when `in` is odd
   }
@@ -66,8 +71,21 @@ struct Int8Kind {
   void micro(const Lane* A, const Wide* B, int64_t d0, int64_t d1, Total* tot) const {
     moe_cpu::micro_int8(A, B, stride(), d0, d1, tot);
   }
-  float finish(Total t, int64_t m, int64_t e, int64_t col) const {
-    return moe_cpu::scaled_sum(t, x_scale[m]) * scale[e * out + col];
+  // fin[c * 16 + r] = the output of row m0 + r and weight row col0 + c, for c < cols and every r (x_scale has 16
+  // values past the last row): scaled_sum, then the weight row's scale in fp32, as the decode kernel finishes.
+  void finish(const Total* tot, int64_t m0, int64_t e, int64_t col0, int64_t cols, float* fin) const {
+    for (int64_t c = 0; c < cols; ++c) {
+      const float w_scale = scale[e * out + col0 + c];
+      int64_t r = 0;
+#ifdef MOE_MATVEC_AVX2
+      for (; r < ROWS; r += 4) {
+        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tot + c * ROWS + r));
+        const __m128 v = moe_cpu::scaled_sum4(sums, _mm_loadu_ps(x_scale.data() + m0 + r));
+        _mm_storeu_ps(fin + c * ROWS + r, _mm_mul_ps(v, _mm_set1_ps(w_scale)));
+      }
+#endif
+      for (; r < ROWS; ++r) fin[c * ROWS + r] = moe_cpu::scaled_sum(tot[c * ROWS + r], x_scale[m0 + r]) * w_scale;
+    }
   }
 };
 
@@ -84,6 +102,11 @@ struct FloatKind {
     *lanes = x;  // fp32 rows as they are
     return true;
   }
+  bool row(const c10::BFloat16* x, int64_t, Wide* tmp, const Lane** lanes) const {
+    for (int64_t k = 0; k < in; ++k) tmp[k] = static_cast<float>(x[k]);  // vectorized by the compiler
+    *lanes = tmp;
+    return true;
+  }
   void widen(Wide* dst, int64_t e, int64_t col) const {
     const W* src = w + (e * out + col) * in;
     for (int64_t k = 0; k < in; ++k) dst[k] = static_cast<float>(src[k]);
@@ -91,26 +114,32 @@ struct FloatKind {
   void micro(const Lane* A, const Wide* B, int64_t d0, int64_t d1, Total* tot) const {
     moe_cpu::micro_float(A, B, stride(), d0, d1, tot);
   }
-  float finish(Total t, int64_t, int64_t, int64_t) const { return t; }
+  void finish(const Total* tot, int64_t, int64_t, int64_t, int64_t cols, float* fin) const {
+    std::copy(tot, tot + cols * ROWS, fin);
+  }
 };
 
 // x's rows in blocks of 16 per group, transposed (zeros past a group's last row); false if the kind refused a row.
-template <typename K>
-bool pack(K& kind, const float* x, const std::vector<Group>& groups, int64_t blocks,
+template <typename K, typename X>
+bool pack(K& kind, const X* x, const std::vector<Group>& groups, int64_t blocks,
           std::vector<typename K::Lane>& A) {
-  A.assign(blocks * kind.depth * ROWS, 0);
+  A.resize(blocks * kind.depth * ROWS);  // every value is written below
   std::vector<char> usable(blocks, 1);
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<typename K::Wide> tmp(kind.stride(), 0);
+    std::vector<typename K::Wide> tmp(ROWS * kind.stride(), 0);
+    const std::vector<typename K::Lane> zeros(kind.depth, 0);
     for (int64_t b = b0; b < b1; ++b) {
       const Group* g = &groups[0];
       while (b >= g->first_block + (g->n_rows + ROWS - 1) / ROWS) ++g;
-      for (int64_t r = 0; r < ROWS && (b - g->first_block) * ROWS + r < g->n_rows; ++r) {
+      const typename K::Lane* rows[ROWS];
+      for (int64_t r = 0; r < ROWS; ++r) {
         const int64_t m = g->first_row + (b - g->first_block) * ROWS + r;
-        const typename K::Lane* lanes = nullptr;
-        if (!kind.row(x + m * kind.in, m, tmp.data(), &lanes)) usable[b] = 0;
-        for (int64_t d = 0; d < kind.depth; ++d) A[(b * kind.depth + d) * ROWS + r] = lanes[d];
+        rows[r] = zeros.data();
+        if (m < g->first_row + g->n_rows && !kind.row(x + m * kind.in, m, &tmp[r * kind.stride()], &rows[r])) {
+          usable[b] = 0;
+        }
       }
+      moe_cpu::transpose_rows(rows, kind.depth, A.data() + b * kind.depth * ROWS);
     }
   });
   return std::find(usable.begin(), usable.end(), 0) == usable.end();
@@ -132,6 +161,7 @@ void run(const K& kind, const std::vector<typename K::Lane>& A, const std::vecto
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
     std::vector<typename K::Wide> panel(PANEL * stride, 0);  // rows past a short panel's: unused, never stored
     std::vector<typename K::Total> tot(PANEL * ROWS);
+    std::vector<float> fin(PANEL * ROWS);
     int64_t widened_group = -1, widened_col = -1;
     for (int64_t i = i0; i < i1; ++i) {
       const Item& it = items[i];
@@ -148,21 +178,19 @@ void run(const K& kind, const std::vector<typename K::Lane>& A, const std::vecto
           kind.micro(block, panel.data() + c0 * stride, d, std::min(kind.depth, d + DEPTH), tot.data() + c0 * ROWS);
         }
       }
-      const int64_t rows = std::min(ROWS, g.n_rows - it.block * ROWS);
-      for (int64_t c = 0; c < cols; ++c) {
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t m = g.first_row + it.block * ROWS + r, col = it.col0 + c;
-          y[m * kind.out + col] = static_cast<Out>(kind.finish(tot[c * ROWS + r], m, g.expert, col));
-        }
-      }
+      const int64_t rows = std::min(ROWS, g.n_rows - it.block * ROWS), m0 = g.first_row + it.block * ROWS;
+      kind.finish(tot.data(), m0, g.expert, it.col0, cols, fin.data());
+      moe_cpu::store_block(fin.data(), rows, cols, kind.out, y + m0 * kind.out + it.col0);
     }
   });
 }
 
 template <typename K>
-bool compute(K& kind, const at::Tensor& xf, const std::vector<Group>& groups, int64_t blocks, at::Tensor& y) {
+bool compute(K& kind, const at::Tensor& x, const std::vector<Group>& groups, int64_t blocks, at::Tensor& y) {
   std::vector<typename K::Lane> A;
-  if (!pack(kind, xf.data_ptr<float>(), groups, blocks, A)) return false;
+  const bool packed = x.scalar_type() == at::kFloat ? pack(kind, x.data_ptr<float>(), groups, blocks, A)
+                                                    : pack(kind, x.data_ptr<c10::BFloat16>(), groups, blocks, A);
+  if (!packed) return false;
   if (y.scalar_type() == at::kFloat) {
     run(kind, A, groups, y.data_ptr<float>());
   } else {
@@ -190,23 +218,27 @@ at::Tensor grouped_gemm(const at::Tensor& x, const at::Tensor& w, const std::opt
     if (rows > 0) groups.push_back({e, first, rows, blocks});
     first += rows, blocks += (rows + ROWS - 1) / ROWS;
   }
-  at::Tensor y = at::zeros({n, out}, x.options());
+  at::Tensor y = at::empty({n, out}, x.options());
+  y.narrow(0, first, n - first).zero_();  // rows past the last group; every row of a group is written below
   if (groups.empty()) return y;
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xc = x.contiguous();  // rows are read in their own dtype, widened or rounded on the way in
   if (w.scalar_type() == at::kFloat) {
     FloatKind<float> kind{w.data_ptr<float>(), out, in, in};
-    compute(kind, xf, groups, blocks, y);
+    compute(kind, xc, groups, blocks, y);
     return y;
   }
   if (w.scalar_type() == at::kBFloat16) {
     FloatKind<c10::BFloat16> kind{w.data_ptr<c10::BFloat16>(), out, in, in};
-    compute(kind, xf, groups, blocks, y);
+    compute(kind, xc, groups, blocks, y);
     return y;
   }
   TORCH_CHECK(int8, "grouped_gemm: weights fp32, bf16 or int8, got ", w.scalar_type());
+  TORCH_CHECK(in <= (int64_t{1} << 28), "grouped_gemm: int8 rows of at most 2^28 values, got ", in);
   const at::Tensor sf = scale->to(at::kFloat).contiguous();
-  Int8Kind kind{w.data_ptr<int8_t>(), sf.data_ptr<float>(), out, in, (in + 1) / 2, std::vector<float>(n, 0.f)};
-  if (!compute(kind, xf, groups, blocks, y)) {  // a NaN or an infinity: fp32 products, which propagate them
+  Int8Kind kind{w.data_ptr<int8_t>(), sf.data_ptr<float>(), out, in, (in + 1) / 2,
+                std::vector<float>(n + ROWS, 0.f)};  // 16 past the last row: `finish` reads a whole block
+  if (!compute(kind, xc, groups, blocks, y)) {  // a NaN or an infinity: fp32 products, which propagate them
+    const at::Tensor xf = xc.to(at::kFloat);
     for (const Group& g : groups) {
       const at::Tensor part = at::matmul(xf.narrow(0, g.first_row, g.n_rows), w[g.expert].to(at::kFloat).t());
       y.narrow(0, g.first_row, g.n_rows).copy_(part.mul(sf.view({experts, out})[g.expert]));

@@ -94,6 +94,24 @@ def test_float_prompt_products_are_fp32_products_independent_of_the_batch(width,
     assert torch.equal(matvec.prompt_grouped(x[20:21], w[2:3])[0], got[20])  # alone, as in its group
 
 
+@torch.inference_mode()
+def test_bf16_outputs_are_rounded_as_torch_rounds_fp32():
+    """Outputs are stored 8 at a time with a rounding of our own: it must give torch's bits (nearest, ties to even),
+    overflow to infinity included, and a NaN must stay a NaN. Each row of x is 2 * a unit row, so each output is 2 *
+    one chosen fp32 weight, exactly, before its rounding to bf16."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1, 48, 48, generator=g) * 1e3
+    ties = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-126 * (1 + 2**-8)]) / 2  # halfway once doubled
+    w[0, :4, 0], w[0, 4:7, 1] = ties, torch.tensor([3e38, -3e38, float("nan")])  # 2 * 3e38 overflows
+    x = torch.zeros(64, 48, dtype=torch.bfloat16)
+    x[torch.arange(64), torch.arange(64) % 48] = 2.0
+    got = matvec.prompt_grouped(x, w)
+    want = (x.float() @ w[0].T).bfloat16()
+    assert want.isinf().any() and want.isnan().any()
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~want.isnan()], want[~want.isnan()])
+
+
 def test_prompt_products_refuse_a_scale_for_float_weights_and_need_one_for_int8():
     with pytest.raises(RuntimeError, match="int8 weights need a scale"):
         matvec.prompt_grouped(torch.zeros(2, 8), torch.zeros(1, 4, 8), None, torch.ones(1, 4))
