@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import cpu_kernels, weights
+from models import cpu_kernels, matvec, weights
 from models.basic import Linear
 from models.config import ModelConfig
 
@@ -163,6 +163,7 @@ class Attention(nn.Module):
         self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.dim)
         self.wqkv: weights.LinearWeight | None = None  # inference: q, k and v in one product
         self.attend_fp32 = False  # inference, bf16 on a CPU without bf16 instructions (`prepare_weights`)
+        self.decode_kernel = False  # inference on CPU, attention in fp32: decode steps run `matvec.decode_attention`
 
     def prepare_weights(self, kernels: str, int8: bool) -> None:
         """Fuse q/k/v into one weight; wq/wk/wv stay as parts of it (for `state_dict`)."""
@@ -171,6 +172,11 @@ class Attention(nn.Module):
             # torch's bf16 attention takes a generic path on such a CPU: 3x the time of the same attention in fp32
             # with the casts (a decode step of `small`, 256 cache slots: 150 us against 52, measured on an AVX2 EPYC).
             self.attend_fp32 = w.dtype == torch.bfloat16 and w.device.type == "cpu" and not cpu_kernels.native_bf16()
+            # One query against the cache, in fp32: 31 -> 11 us a block (a bf16 cache: 52 -> 11) for a step of
+            # `small` on 256 cache slots, 100 of them filled (torch's SDPA calls a matrix product per head and
+            # reads the unfilled slots too; with a bf16 cache it first copies the whole cache to fp32).
+            fp32 = w.dtype == torch.float32 or self.attend_fp32
+            self.decode_kernel = w.device.type == "cpu" and fp32 and matvec.available()
             linears = (self.wq, self.wk, self.wv)
             self.wqkv, parts = weights.fused([lin.weight for lin in linears], kernels, int8)
             for lin, part in zip(linears, parts, strict=True):
@@ -193,8 +199,11 @@ class Attention(nn.Module):
             k, v = cache.write_at(ctx.slot, k, v)  # [B, G, L, Dh], ctx.mask hides the slots past this one
         elif cache is not None:
             k, v = cache.update(ctx.start, k, v)  # [B, G, start+S, Dh]
-        if self.attend_fp32:
-            q, k, v = q.float(), k.float(), v.float()
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, is_causal=ctx.is_causal,
-                                             enable_gqa=self.n_heads != self.n_kv_heads).to(x_BSD.dtype)
+        if S == 1 and self.decode_kernel and not ctx.is_causal:
+            out = matvec.decode_attention(q, k, v, ctx.mask)  # in fp32, k and v read in their dtype
+        else:
+            if self.attend_fp32:
+                q, k, v = q.float(), k.float(), v.float()
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, is_causal=ctx.is_causal,
+                                                 enable_gqa=self.n_heads != self.n_kv_heads).to(x_BSD.dtype)
         return self.wo(out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))

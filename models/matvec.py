@@ -1,5 +1,6 @@
 """The CPU kernels of our own: grouped matrix-vector products that read each weight once (`matvec.cpp`, decode
-steps), and grouped matrix products for prompts (`prompt_gemm.cpp`).
+steps), grouped matrix products for prompts (`prompt_gemm.cpp`), and a decode step's attention
+(`decode_attention.cpp`).
 
 Why a kernel of our own: a decode step is bound by reading weights, and none of torch's CPU products streams them
 at the memory's read rate for a few rows. Measured on a 2-core AMD EPYC (AVX2), one row against 40 distinct
@@ -30,9 +31,10 @@ from pathlib import Path
 import torch
 
 # The decode kernel, the prompt kernel, the activation rounding both use for int8, the prompt kernel's inner loops
-# and its moves between rows and blocks.
+# and its moves between rows and blocks, a decode step's attention.
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("matvec.cpp", "prompt_gemm.cpp", "int8_rows.h", "gemm_micro.h", "gemm_layout.h")]
+           for name in ("matvec.cpp", "prompt_gemm.cpp", "int8_rows.h", "gemm_micro.h", "gemm_layout.h",
+                        "decode_attention.cpp")]
 # Up to this many rows per weight the kernel runs (a decode step, small batches); more rows (prompts) are bound
 # by arithmetic and go to the prompt kernel (or oneDNN, MKL where it does not run).
 MAX_ROWS = 8
@@ -64,8 +66,8 @@ def available() -> bool:
         flavour, flags = _simd_flags()
         name = f"moe_matvec_{flavour}_{_build_key()}"
         if not _built(cpp_extension, name):
-            print("building the CPU kernels (models/matvec.cpp, prompt_gemm.cpp), once per torch installation: "
-                  "20-30 s", file=sys.stderr)
+            print("building the CPU kernels (models/matvec.cpp, prompt_gemm.cpp, decode_attention.cpp), once per "
+                  "torch installation: 20-40 s", file=sys.stderr)
         cpp_extension.load(name=name, sources=[str(p) for p in SOURCES if p.suffix == ".cpp"], is_python_module=False,
                            extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: the model still runs, on oneDNN/MKL
@@ -110,6 +112,10 @@ def _register_fake() -> None:
     def _(x, w, counts, scale):
         return x.new_empty((x.shape[0], w.shape[1]))
 
+    @torch.library.register_fake("moe_cpu::decode_attention")
+    def _(q, k, v, mask):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
 
 def takes(rows: int, limit: int = MAX_ROWS) -> bool:
     """A product of `rows` rows runs the kernel: up to `limit`, and any number inside a compiled step, where the
@@ -121,6 +127,13 @@ def grouped(x_ND: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor | No
             scale_EO: torch.Tensor | None = None) -> torch.Tensor:
     """[N, out] in x's dtype; `counts_E` may be None for one weight (E = 1) and all rows."""
     return torch.ops.moe_cpu.grouped_matvec(x_ND, w_EOI, counts_E, scale_EO)
+
+
+def decode_attention(q_BH1D: torch.Tensor, k_BGLD: torch.Tensor, v_BGLD: torch.Tensor,
+                     mask_B11L: torch.Tensor | None) -> torch.Tensor:
+    """SDPA of one query per sequence (scale 1/sqrt(D), heads grouped over the key heads), in fp32, reading only
+    the keys the mask lets through; [B, H, 1, D] in q's dtype (`decode_attention.cpp`)."""
+    return torch.ops.moe_cpu.decode_attention(q_BH1D, k_BGLD, v_BGLD, mask_B11L)
 
 
 def prompt_grouped(x_ND: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor | None = None,

@@ -1,0 +1,160 @@
+// Attention of one new token per sequence (a decode step) over its KV cache, in fp32, on CPU.
+//
+// out[b, h] = sum_j p_j v[b, g, j] with p = softmax(scale * q[b, h] . k[b, g, j]) over the keys j that mask[b, j]
+// allows (every key without a mask), g = h / (H / G). What torch's SDPA computes for one query, without what it
+// costs there: per head a matrix product call (an sgemv) for the scores and one for the values, and a fp32 copy
+// of a bf16 cache. Keys the mask hides are never read, so a step costs what the filled part of the cache costs,
+// not the cache's length. The heads of a group share their reads of k and v. Scores and sums are fp32; exp is
+// SLEEF's (torch's own vector exp); a row with no visible key gives NaN, as SDPA does.
+
+#include <ATen/Functions.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "int8_rows.h"
+
+#ifdef MOE_MATVEC_AVX2
+#include <sleef.h>
+#endif
+
+namespace {
+
+constexpr int64_t MAX_GROUP = 16;  // query heads per key head handled together
+
+inline float widen(float v) { return v; }
+inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
+
+template <typename T>
+float dot(const float* q, const T* k, int64_t d) {
+  int64_t i = 0;
+  float s = 0.f;
+#ifdef MOE_MATVEC_AVX2
+  __m256 a = _mm256_setzero_ps();
+  for (; i + 8 <= d; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), moe_cpu::load_floats(k + i), a);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, a);
+  for (float lane : lanes) s += lane;
+#endif
+  for (; i < d; ++i) s += q[i] * widen(k[i]);
+  return s;
+}
+
+template <typename T>
+void axpy(float p, const T* v, float* out, int64_t d) {  // out += p * v
+  int64_t i = 0;
+#ifdef MOE_MATVEC_AVX2
+  const __m256 p8 = _mm256_set1_ps(p);
+  for (; i + 8 <= d; i += 8) {
+    _mm256_storeu_ps(out + i, _mm256_fmadd_ps(p8, moe_cpu::load_floats(v + i), _mm256_loadu_ps(out + i)));
+  }
+#endif
+  for (; i < d; ++i) out[i] += p * widen(v[i]);
+}
+
+void exp_inplace(float* x, int64_t n) {  // x = exp(x)
+  int64_t i = 0;
+#ifdef MOE_MATVEC_AVX2
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, Sleef_expf8_u10(_mm256_loadu_ps(x + i)));
+#endif
+  for (; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+// One key head and its query heads: scores of the visible keys, softmax, the weighted sum of their values.
+template <typename T>
+void attend_group(const float* q, int64_t heads, const T* k, const T* v, int64_t key_stride, const bool* mask,
+                  int64_t length, int64_t d, float scale, float* out, std::vector<int64_t>& keys,
+                  std::vector<float>& p) {
+  keys.clear();
+  for (int64_t j = 0; j < length; ++j) {
+    if (mask == nullptr || mask[j]) keys.push_back(j);
+  }
+  const int64_t n = static_cast<int64_t>(keys.size());
+  p.resize(heads * n);
+  for (int64_t h = 0; h < heads; ++h) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i) {
+      p[h * n + i] = scale * dot(q + h * d, k + keys[i] * key_stride, d);
+      top = std::max(top, p[h * n + i]);
+    }
+    for (int64_t i = 0; i < n; ++i) p[h * n + i] -= top;
+  }
+  exp_inplace(p.data(), heads * n);
+  for (int64_t h = 0; h < heads; ++h) {
+    float* o = out + h * d;
+    std::fill(o, o + d, 0.f);
+    float total = 0.f;
+    for (int64_t i = 0; i < n; ++i) total += p[h * n + i];
+    for (int64_t i = 0; i < n; ++i) axpy(p[h * n + i], v + keys[i] * key_stride, o, d);
+    const float inv = 1.f / total;  // no visible key: 0 * inf, NaN
+    for (int64_t i = 0; i < d; ++i) o[i] = n > 0 ? o[i] * inv : std::numeric_limits<float>::quiet_NaN();
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& qf, const at::Tensor& k, const at::Tensor& v, const bool* mask, int64_t mask_batch_stride,
+         float scale, at::Tensor& out) {
+  const int64_t B = qf.size(0), H = qf.size(1), d = qf.size(3), G = k.size(1), L = k.size(2), per = H / G;
+  const float* qp = qf.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  at::parallel_for(0, B * G, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> keys;
+    std::vector<float> p;
+    for (int64_t bg = begin; bg < end; ++bg) {
+      const int64_t b = bg / G, g = bg % G;
+      attend_group(qp + (b * H + g * per) * d, per, kp + b * k.stride(0) + g * k.stride(1),
+                   vp + b * v.stride(0) + g * v.stride(1), k.stride(2),
+                   mask == nullptr ? nullptr : mask + b * mask_batch_stride, L, d, scale,
+                   op + (b * H + g * per) * d, keys, p);
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::optional<at::Tensor>& mask) {
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
+                  q.size(3) == k.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+              "decode_attention: q [B, H, 1, D] and k, v [B, G, L, D] with G dividing H, got ", q.sizes(), ", ",
+              k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
+              "decode_attention: k and v both fp32 or both bf16");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.strides() == v.strides(),
+              "decode_attention: k and v with the same strides, rows contiguous");
+  TORCH_CHECK(q.size(1) / k.size(1) <= MAX_GROUP, "decode_attention: at most ", MAX_GROUP, " query heads per key head");
+  const int64_t B = q.size(0), L = k.size(2);
+  const bool* mp = nullptr;
+  int64_t mask_batch_stride = 0;
+  at::Tensor m;
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4 && mask->size(1) == 1 && mask->size(2) == 1 &&
+                    mask->size(3) == L && (mask->size(0) == B || mask->size(0) == 1),
+                "decode_attention: mask [B or 1, 1, 1, L] bool, got ", mask->sizes());
+    m = mask->stride(3) == 1 ? *mask : mask->contiguous();
+    mp = m.data_ptr<bool>();
+    mask_batch_stride = m.size(0) == 1 ? 0 : m.stride(0);
+  }
+  const at::Tensor qf = q.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  const float scale = 1.f / std::sqrt(static_cast<float>(q.size(3)));
+  if (k.scalar_type() == at::kFloat) {
+    run<float>(qf, k, v, mp, mask_batch_stride, scale, out);
+  } else {
+    run<c10::BFloat16>(qf, k, v, mp, mask_batch_stride, scale, out);
+  }
+  return out.to(q.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(moe_cpu, m) {
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(moe_cpu, CPU, m) { m.impl("decode_attention", decode_attention); }
