@@ -200,7 +200,7 @@ class Attention(nn.Module):
         elif cache is not None:
             k, v = cache.update(ctx.start, k, v)  # [B, G, start+S, Dh]
         if S == 1 and self.decode_kernel and not ctx.is_causal:
-            out = matvec.decode_attention(q, k, v, ctx.mask)  # in fp32, k and v read in their dtype
+            out = matvec.decode_attention(q, k, v, ctx.mask).to(x_BSD.dtype)  # in fp32, k and v as they are
         else:
             if self.attend_fp32:
                 q, k, v = q.float(), k.float(), v.float()

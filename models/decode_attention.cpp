@@ -25,8 +25,6 @@
 
 namespace {
 
-constexpr int64_t MAX_GROUP = 16;  // query heads per key head handled together
-
 inline float widen(float v) { return v; }
 inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
 
@@ -127,7 +125,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
               "decode_attention: k and v both fp32 or both bf16");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.strides() == v.strides(),
               "decode_attention: k and v with the same strides, rows contiguous");
-  TORCH_CHECK(q.size(1) / k.size(1) <= MAX_GROUP, "decode_attention: at most ", MAX_GROUP, " query heads per key head");
   const int64_t B = q.size(0), L = k.size(2);
   const bool* mp = nullptr;
   int64_t mask_batch_stride = 0;
