@@ -163,7 +163,7 @@ class Attention(nn.Module):
         self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.dim)
         self.wqkv: weights.LinearWeight | None = None  # inference: q, k and v in one product
         self.attend_fp32 = False  # inference, bf16 on a CPU without bf16 instructions (`prepare_weights`)
-        self.decode_kernel = False  # inference on CPU, attention in fp32: decode steps run `matvec.decode_attention`
+        self.decode_kernel = False  # inference, our CPU kernels, attention in fp32: `matvec.decode_attention`
 
     def prepare_weights(self, kernels: str, int8: bool) -> None:
         """Fuse q/k/v into one weight; wq/wk/wv stay as parts of it (for `state_dict`)."""
@@ -176,7 +176,7 @@ class Attention(nn.Module):
             # `small` on 256 cache slots, 100 of them filled (torch's SDPA calls a matrix product per head and
             # reads the unfilled slots too; with a bf16 cache it first copies the whole cache to fp32).
             fp32 = w.dtype == torch.float32 or self.attend_fp32
-            self.decode_kernel = w.device.type == "cpu" and fp32 and matvec.available()
+            self.decode_kernel = fp32 and weights.streams(w, kernels)  # our kernels asked for, and built
             linears = (self.wq, self.wk, self.wv)
             self.wqkv, parts = weights.fused([lin.weight for lin in linears], kernels, int8)
             for lin, part in zip(linears, parts, strict=True):

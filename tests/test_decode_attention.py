@@ -79,3 +79,9 @@ def test_greedy_tokens_are_those_of_sdpa(dtype):
         for attention in blocks:
             attention.decode_kernel = False
         assert model.generate(PROMPTS, max_new_tokens=32) == ours
+
+
+def test_only_with_our_kernels():
+    """cpu_kernels="torch" (or "onednn") asks for torch's own kernels: the attention stays torch's SDPA."""
+    with MoEModel.from_pretrained(TRAINED, cpu_kernels="torch") as model:
+        assert not any(block.attention.decode_kernel for block in model.engine.model.layers.values())
