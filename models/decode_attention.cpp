@@ -4,8 +4,9 @@
 // allows (every key without a mask), g = h / (H / G). What torch's SDPA computes for one query, without what it
 // costs there: per head a matrix product call (an sgemv) for the scores and one for the values, and a fp32 copy
 // of a bf16 cache. Keys the mask hides are never read, so a step costs what the filled part of the cache costs,
-// not the cache's length. The heads of a group share their reads of k and v. Scores and sums are fp32; exp is
-// SLEEF's (torch's own vector exp); a row with no visible key gives NaN, as SDPA does.
+// not the cache's length. The query heads of a key head take turns on its keys and values while they are in
+// cache. Scores and sums are fp32; exp is SLEEF's (torch's own vector exp); a row with no visible key gives NaN,
+// as SDPA does.
 
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
@@ -89,8 +90,8 @@ void attend_group(const float* q, int64_t heads, const T* k, const T* v, int64_t
     float total = 0.f;
     for (int64_t i = 0; i < n; ++i) total += p[h * n + i];
     for (int64_t i = 0; i < n; ++i) axpy(p[h * n + i], v + keys[i] * key_stride, o, d);
-    const float inv = 1.f / total;  // no visible key: 0 * inf, NaN
-    for (int64_t i = 0; i < d; ++i) o[i] = n > 0 ? o[i] * inv : std::numeric_limits<float>::quiet_NaN();
+    const float inv = 1.f / total;
+    for (int64_t i = 0; i < d; ++i) o[i] = n > 0 ? o[i] * inv : std::numeric_limits<float>::quiet_NaN();  // SDPA's
   }
 }
 
