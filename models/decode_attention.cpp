@@ -18,31 +18,13 @@
 #include <limits>
 #include <vector>
 
-#include "int8_rows.h"
+#include "row_dot.h"
 
 #ifdef MOE_MATVEC_AVX2
 #include <sleef.h>
 #endif
 
 namespace {
-
-inline float widen(float v) { return v; }
-inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
-
-template <typename T>
-float dot(const float* q, const T* k, int64_t d) {
-  int64_t i = 0;
-  float s = 0.f;
-#ifdef MOE_MATVEC_AVX2
-  __m256 a = _mm256_setzero_ps();
-  for (; i + 8 <= d; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), moe_cpu::load_floats(k + i), a);
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, a);
-  for (float lane : lanes) s += lane;
-#endif
-  for (; i < d; ++i) s += q[i] * widen(k[i]);
-  return s;
-}
 
 template <typename T>
 void axpy(float p, const T* v, float* out, int64_t d) {  // out += p * v
@@ -53,7 +35,7 @@ void axpy(float p, const T* v, float* out, int64_t d) {  // out += p * v
     _mm256_storeu_ps(out + i, _mm256_fmadd_ps(p8, moe_cpu::load_floats(v + i), _mm256_loadu_ps(out + i)));
   }
 #endif
-  for (; i < d; ++i) out[i] += p * widen(v[i]);
+  for (; i < d; ++i) out[i] += p * moe_cpu::widen(v[i]);
 }
 
 void exp_inplace(float* x, int64_t n) {  // x = exp(x)
@@ -78,7 +60,7 @@ void attend_group(const float* q, int64_t heads, const T* k, const T* v, int64_t
   for (int64_t h = 0; h < heads; ++h) {
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t i = 0; i < n; ++i) {
-      p[h * n + i] = scale * dot(q + h * d, k + keys[i] * key_stride, d);
+      p[h * n + i] = scale * moe_cpu::dot_float(k + keys[i] * key_stride, q + h * d, d);
       top = std::max(top, p[h * n + i]);
     }
     for (int64_t i = 0; i < n; ++i) p[h * n + i] -= top;

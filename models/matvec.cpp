@@ -29,20 +29,13 @@
 #include <vector>
 
 #include "int8_rows.h"
+#include "row_dot.h"
 
 namespace {
 
-inline float widen(float v) { return v; }
-inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
-inline float widen(int8_t v) { return static_cast<float>(v); }
+using moe_cpu::dot_float;
 
 #ifdef MOE_MATVEC_AVX2
-inline __m256 load8(const float* p) { return moe_cpu::load_floats(p); }
-inline __m256 load8(const c10::BFloat16* p) { return moe_cpu::load_floats(p); }
-inline __m256 load8(const int8_t* p) {
-  __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-}
 inline __m256i madd16(const int8_t* w, const int16_t* q) {  // 8 lanes of w[2j] q[2j] + w[2j+1] q[2j+1]
   __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
   return _mm256_madd_epi16(wide, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
@@ -53,32 +46,7 @@ inline int64_t hsum64(__m256i v) {  // the 8 int32 lanes, summed in int64
   __m128i h = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
   return _mm_cvtsi128_si64(h) + _mm_extract_epi64(h, 1);
 }
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 #endif
-
-// sum_i w[i] * x[i]: one weight row read front to back (a single stream the prefetcher follows), 4 x 8 lanes.
-template <typename W>
-inline float dot_float(const W* w, const float* x, int64_t in) {
-  int64_t i = 0;
-  float s = 0.f;
-#ifdef MOE_MATVEC_AVX2
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (; i + 32 <= in; i += 32) {
-    a0 = _mm256_fmadd_ps(load8(w + i), _mm256_loadu_ps(x + i), a0);
-    a1 = _mm256_fmadd_ps(load8(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
-    a2 = _mm256_fmadd_ps(load8(w + i + 16), _mm256_loadu_ps(x + i + 16), a2);
-    a3 = _mm256_fmadd_ps(load8(w + i + 24), _mm256_loadu_ps(x + i + 24), a3);
-  }
-  s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-#endif
-  for (; i < in; ++i) s += widen(w[i]) * x[i];  // the tail (or everything, without AVX2)
-  return s;
-}
 
 // sum_i w[i] * q[i] in integers, exactly: one int8 weight row against one int16 activation row, 4 x 8 int32
 // lanes. A lane adds one pair-sum of at most 2 * 127 * 32767 per 64 elements; the four are added and widened into

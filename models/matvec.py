@@ -14,9 +14,10 @@ host read of the counts.
 grouped, counts[e] of them; rows past the last group are zeros). With int8 weights each row of x is rounded to
 int16 against its largest value and the products are summed exactly in integers (`matvec.cpp` says why).
 `prompt_grouped(...)`, the same for many rows, at a matrix product's rate; with int8 weights the same bits per row
-(2 threads on the AVX2 EPYC, 128 rows against 3584 x 512: int8 200-220 GFLOP/s, bf16 170, fp32 160, where oneDNN
+(2 threads on the AVX2 EPYC, 128 rows against 3584 x 512: int8 263 GFLOP/s, bf16 174, fp32 173, where oneDNN
 gives 127-149; `prompt_gemm.cpp` has the figures).
-`available()` builds the kernels on first use (torch.utils.cpp_extension: a C++ compiler and ninja; 20-30 s,
+`decode_attention(q, k, v, mask)`: SDPA of one query per sequence, in fp32, reading only the visible cache slots.
+`available()` builds the kernels on first use (torch.utils.cpp_extension: a C++ compiler and ninja; 20-40 s,
 once per torch installation, kept in torch's extension cache) and says whether it can run; without it the
 weights fall back to oneDNN or torch's products.
 """
@@ -30,10 +31,11 @@ from pathlib import Path
 
 import torch
 
-# The decode kernel, the prompt kernel, the activation rounding both use for int8, the prompt kernel's inner loops
-# and its moves between rows and blocks, a decode step's attention.
+# The decode kernel, the prompt kernel, the activation rounding both use for int8, the fp32 row product the decode
+# kernel and the decode attention share, the prompt kernel's inner loops and its moves between rows and blocks, a
+# decode step's attention.
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("matvec.cpp", "prompt_gemm.cpp", "int8_rows.h", "gemm_micro.h", "gemm_layout.h",
+           for name in ("matvec.cpp", "prompt_gemm.cpp", "int8_rows.h", "row_dot.h", "gemm_micro.h", "gemm_layout.h",
                         "decode_attention.cpp")]
 # Up to this many rows per weight the kernel runs (a decode step, small batches); more rows (prompts) are bound
 # by arithmetic and go to the prompt kernel (or oneDNN, MKL where it does not run).

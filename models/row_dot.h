@@ -1,0 +1,52 @@
+// A weight row against an fp32 row, summed in fp32: the decode kernel's fp32/bf16 product (models/matvec.cpp),
+// and the scores and values of a decode step's attention (models/decode_attention.cpp).
+
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+
+#include "int8_rows.h"
+
+namespace moe_cpu {
+
+inline float widen(float v) { return v; }
+inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float widen(int8_t v) { return static_cast<float>(v); }
+
+#ifdef MOE_MATVEC_AVX2
+inline __m256 load8(const float* p) { return load_floats(p); }
+inline __m256 load8(const c10::BFloat16* p) { return load_floats(p); }
+inline __m256 load8(const int8_t* p) {
+  __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+}
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// sum_i w[i] * x[i]: one weight row read front to back (a single stream the prefetcher follows), 4 x 8 lanes.
+template <typename W>
+inline float dot_float(const W* w, const float* x, int64_t in) {
+  int64_t i = 0;
+  float s = 0.f;
+#ifdef MOE_MATVEC_AVX2
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (; i + 32 <= in; i += 32) {
+    a0 = _mm256_fmadd_ps(load8(w + i), _mm256_loadu_ps(x + i), a0);
+    a1 = _mm256_fmadd_ps(load8(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+    a2 = _mm256_fmadd_ps(load8(w + i + 16), _mm256_loadu_ps(x + i + 16), a2);
+    a3 = _mm256_fmadd_ps(load8(w + i + 24), _mm256_loadu_ps(x + i + 24), a3);
+  }
+  s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#endif
+  for (; i < in; ++i) s += widen(w[i]) * x[i];  // the tail (or everything, without AVX2)
+  return s;
+}
+
+}  // namespace moe_cpu
