@@ -71,9 +71,10 @@ struct Int8Kind {
   void micro(const Lane* A, const Wide* B, int64_t d0, int64_t d1, Total* tot) const {
     moe_cpu::micro_int8(A, B, stride(), d0, d1, tot);
   }
-  // fin[c * 16 + r] = the output of row m0 + r and weight row col0 + c, for c < cols and every r (x_scale has 16
-  // values past the last row): scaled_sum, then the weight row's scale in fp32, as the decode kernel finishes.
-  void finish(const Total* tot, int64_t m0, int64_t e, int64_t col0, int64_t cols, float* fin) const {
+  // The finished outputs, in `fin`: fin[c * 16 + r] for row m0 + r and weight row col0 + c, c < cols, every r
+  // (x_scale has 16 values past the last row): scaled_sum, then the weight row's scale in fp32, as the decode
+  // kernel finishes.
+  const float* finish(const Total* tot, int64_t m0, int64_t e, int64_t col0, int64_t cols, float* fin) const {
     for (int64_t c = 0; c < cols; ++c) {
       const float w_scale = scale[e * out + col0 + c];
       int64_t r = 0;
@@ -86,6 +87,7 @@ struct Int8Kind {
 #endif
       for (; r < ROWS; ++r) fin[c * ROWS + r] = moe_cpu::scaled_sum(tot[c * ROWS + r], x_scale[m0 + r]) * w_scale;
     }
+    return fin;
   }
 };
 
@@ -114,9 +116,7 @@ struct FloatKind {
   void micro(const Lane* A, const Wide* B, int64_t d0, int64_t d1, Total* tot) const {
     moe_cpu::micro_float(A, B, stride(), d0, d1, tot);
   }
-  void finish(const Total* tot, int64_t, int64_t, int64_t, int64_t cols, float* fin) const {
-    std::copy(tot, tot + cols * ROWS, fin);
-  }
+  const float* finish(const Total* tot, int64_t, int64_t, int64_t, int64_t, float*) const { return tot; }
 };
 
 // x's rows in blocks of 16 per group, transposed (zeros past a group's last row); false if the kind refused a row.
@@ -179,8 +179,8 @@ void run(const K& kind, const std::vector<typename K::Lane>& A, const std::vecto
         }
       }
       const int64_t rows = std::min(ROWS, g.n_rows - it.block * ROWS), m0 = g.first_row + it.block * ROWS;
-      kind.finish(tot.data(), m0, g.expert, it.col0, cols, fin.data());
-      moe_cpu::store_block(fin.data(), rows, cols, kind.out, y + m0 * kind.out + it.col0);
+      const float* done = kind.finish(tot.data(), m0, g.expert, it.col0, cols, fin.data());
+      moe_cpu::store_block(done, rows, cols, kind.out, y + m0 * kind.out + it.col0);
     }
   });
 }
