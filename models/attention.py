@@ -199,7 +199,7 @@ class Attention(nn.Module):
             k, v = cache.write_at(ctx.slot, k, v)  # [B, G, L, Dh], ctx.mask hides the slots past this one
         elif cache is not None:
             k, v = cache.update(ctx.start, k, v)  # [B, G, start+S, Dh]
-        if S == 1 and self.decode_kernel and not ctx.is_causal:
+        if S == 1 and self.decode_kernel:  # one query: never causal (`AttentionContext.build`)
             out = matvec.decode_attention(q, k, v, ctx.mask).to(x_BSD.dtype)  # in fp32, k and v as they are
         else:
             if self.attend_fp32:
