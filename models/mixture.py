@@ -190,6 +190,10 @@ class Grouping:
     order_N: torch.Tensor  # position in the flattened [T*K] copies of each grouped row
     token_N: torch.Tensor  # token index of each grouped row
     counts_E: torch.Tensor  # copies per expert (global ids)
+    rank_N: torch.Tensor | None = None  # grouped row of each of the [T*K] copies (order_N's inverse), where made
+
+
+FEW_COPIES = 64  # a compiled step with at most this many copies groups them by comparisons, not a sort
 
 
 def count_per_id(ids_N: torch.Tensor, n: int) -> torch.Tensor:
@@ -198,11 +202,24 @@ def count_per_id(ids_N: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.long, device=ids_N.device).scatter_add_(0, ids_N, torch.ones_like(ids_N))
 
 
+def stable_ranks(ids_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, rank) of a stable sort of a few ids, from N x N comparisons: elementwise operations that a compiled
+    step fuses into one loop, where a sort is a library call per block (10 us for a decode step's 2 copies)."""
+    i = torch.arange(ids_N.numel(), device=ids_N.device)
+    before = (ids_N[None, :] < ids_N[:, None]) | ((ids_N[None, :] == ids_N[:, None]) & (i[None, :] < i[:, None]))
+    rank = before.sum(1)  # copies that a stable sort puts ahead of each copy
+    order = ((rank[None, :] == i[:, None]) * i[None, :]).sum(1)  # the copy that lands at each position
+    return order, rank
+
+
 def group_by_expert(ids_TK: torch.Tensor, n_experts: int) -> Grouping:
     flat_ids = ids_TK.reshape(-1)
+    counts = count_per_id(flat_ids, n_experts)
+    if torch.compiler.is_compiling() and flat_ids.numel() <= FEW_COPIES:
+        order, rank = stable_ranks(flat_ids)
+        return Grouping(order_N=order, token_N=order // ids_TK.shape[1], counts_E=counts, rank_N=rank)
     # Stable sort keeps copies of one expert in token order, so results are deterministic.
     order = torch.sort(flat_ids, stable=True).indices
-    counts = count_per_id(flat_ids, n_experts)
     return Grouping(order_N=order, token_N=order // ids_TK.shape[1], counts_E=counts)
 
 
@@ -219,16 +236,28 @@ class Dispatched:
     n_tokens: int  # T: rows of the combined output
 
 
-def weighted_sum(y_ND: torch.Tensor, meta: Dispatched) -> torch.Tensor:
-    """Weight each expert result by its router weight and sum the K copies of every token."""
+def weighted_sum(y_ND: torch.Tensor, meta: Dispatched, rank_N: torch.Tensor | None = None) -> torch.Tensor:
+    """Weight each expert result by its router weight and sum the K copies of every token. `rank_N` (the grouped
+    row of each token's k-th copy, `Grouping.rank_N`) turns the scatter into a gather."""
     weighted = (y_ND * meta.weight_N[:, None]).to(y_ND.dtype)  # weights are fp32; cast like the reference
+    if rank_N is not None:  # a compiled step's few copies: no zeroed output, no atomic adds
+        copies = weighted[rank_N].view(meta.n_tokens, -1, y_ND.shape[1])  # [T, K, D]
+        out_TD = copies[:, 0]
+        for k in range(1, copies.shape[1]):  # rounded after each add, as the scatter below rounds
+            out_TD = out_TD + copies[:, k]
+        return out_TD
     out_TD = torch.zeros(meta.n_tokens, y_ND.shape[1], dtype=y_ND.dtype, device=y_ND.device)
-    # With top-k <= 2 both give the same bits (a token's sum is 0 + a + b); with more copies the order of the
+    # With top-k <= 2 all three give the same bits (a token's sum is 0 + a + b); with more copies the order of the
     # roundings may differ. On CPU index_add_ is 9x faster (1024 rows of 512 into 512 tokens: 0.15 against 1.4
     # ms); a compiled step's C++ wrapper has only index_put_, and on CUDA index_add_'s atomics have no fixed order.
     if torch.compiler.is_compiling() or y_ND.device.type != "cpu":
         return out_TD.index_put_((meta.token_N,), weighted, accumulate=True)
     return out_TD.index_add_(0, meta.token_N, weighted)
+
+
+@dataclass
+class LocalDispatched(Dispatched):
+    rank_N: torch.Tensor | None  # `Grouping.rank_N`
 
 
 class LocalDispatcher:
@@ -241,11 +270,11 @@ class LocalDispatcher:
                  ids_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Dispatched]:
         """(rows grouped by expert [N, D], rows per expert [E], metadata for combine)."""
         g = group_by_expert(ids_TK, self.n_experts)
-        meta = Dispatched(g.token_N, weights_TK.reshape(-1)[g.order_N], x_TD.shape[0])
+        meta = LocalDispatched(g.token_N, weights_TK.reshape(-1)[g.order_N], x_TD.shape[0], g.rank_N)
         return x_TD[g.token_N], g.counts_E, meta
 
-    def combine(self, y_ND: torch.Tensor, meta: Dispatched) -> torch.Tensor:
-        return weighted_sum(y_ND, meta)
+    def combine(self, y_ND: torch.Tensor, meta: LocalDispatched) -> torch.Tensor:
+        return weighted_sum(y_ND, meta, meta.rank_N)
 
 
 class MoEFeedForward(nn.Module):

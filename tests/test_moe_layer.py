@@ -6,7 +6,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.mixture import GroupedExperts, MoEFeedForward, Router, group_by_expert
+from models.mixture import (
+    Dispatched,
+    GroupedExperts,
+    MoEFeedForward,
+    Router,
+    group_by_expert,
+    stable_ranks,
+    weighted_sum,
+)
 from tests.checkpoints import tiny_config
 
 
@@ -58,6 +66,38 @@ def test_grouping_by_hand():
     assert g.order_N.tolist() == [1, 4, 2, 0, 3, 5]
     assert g.token_N.tolist() == [0, 2, 1, 0, 1, 2]
     assert g.counts_E.tolist() == [2, 1, 3, 0]
+
+
+def test_ranks_by_comparison_are_the_stable_sort():
+    gen = torch.Generator().manual_seed(0)
+    for n, experts in ((1, 8), (2, 8), (6, 4), (16, 8), (64, 3)):  # 64 copies of 3 ids: many ties
+        ids = torch.randint(0, experts, (n,), generator=gen)
+        order, rank = stable_ranks(ids)
+        assert torch.equal(order, torch.sort(ids, stable=True).indices), ids
+        assert torch.equal(order[rank], torch.arange(n))  # rank is order's inverse
+
+
+def test_a_compiled_grouping_equals_the_sorted_one():
+    ids = torch.tensor([[2, 0], [1, 2], [0, 2]])
+    want = group_by_expert(ids, 4)
+    got = torch.compile(lambda i: group_by_expert(i, 4), fullgraph=True, backend="eager")(ids)
+    assert got.rank_N is not None and want.rank_N is None  # compiled: comparisons, no sort
+    assert torch.equal(got.order_N, want.order_N) and torch.equal(got.token_N, want.token_N)
+    assert torch.equal(got.counts_E, want.counts_E)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_the_gathered_weighted_sum_has_the_scattered_bits(dtype, top_k):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.stack([torch.randperm(8, generator=gen)[:top_k] for _ in range(5)])  # 5 tokens
+    g = group_by_expert(ids, 8)
+    _, rank = stable_ranks(ids.reshape(-1))
+    y = (torch.randn(ids.numel(), 32, generator=gen) * 100).to(dtype)
+    meta = Dispatched(g.token_N, torch.rand(ids.numel(), generator=gen), 5)
+    scattered = weighted_sum(y, meta)
+    assert torch.equal(weighted_sum(y, meta, rank), scattered)
+    assert not torch.equal(weighted_sum(y, meta, rank.flip(0)), scattered)  # the gather follows the ranks
 
 
 def test_round_robin_routing_gives_exact_counts():
