@@ -217,10 +217,9 @@ def group_by_expert(ids_TK: torch.Tensor, n_experts: int) -> Grouping:
     counts = count_per_id(flat_ids, n_experts)
     if torch.compiler.is_compiling() and flat_ids.numel() <= FEW_COPIES:
         order, rank = stable_ranks(flat_ids)
-        return Grouping(order_N=order, token_N=order // ids_TK.shape[1], counts_E=counts, rank_N=rank)
-    # Stable sort keeps copies of one expert in token order, so results are deterministic.
-    order = torch.sort(flat_ids, stable=True).indices
-    return Grouping(order_N=order, token_N=order // ids_TK.shape[1], counts_E=counts)
+    else:  # stable: copies of one expert stay in token order, so results are deterministic
+        order, rank = torch.sort(flat_ids, stable=True).indices, None
+    return Grouping(order_N=order, token_N=order // ids_TK.shape[1], counts_E=counts, rank_N=rank)
 
 
 @dataclass
