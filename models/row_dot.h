@@ -31,13 +31,16 @@ inline float hsum(__m256 v) {
 #endif
 
 // sum_i w[i] * x[i]: one weight row read front to back (a single stream the prefetcher follows), 4 x 8 lanes.
-template <typename W>
+// With kAhead > 0, each 32 weights also ask for the line kAhead bytes further on (a request that cannot fault,
+// past the row's end included): bf16 weights widened on load leave the hardware prefetcher behind otherwise.
+template <typename W, int kAhead = 0>
 inline float dot_float(const W* w, const float* x, int64_t in) {
   int64_t i = 0;
   float s = 0.f;
 #ifdef MOE_MATVEC_AVX2
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   for (; i + 32 <= in; i += 32) {
+    if constexpr (kAhead > 0) _mm_prefetch(reinterpret_cast<const char*>(w + i) + kAhead, _MM_HINT_T0);
     a0 = _mm256_fmadd_ps(load8(w + i), _mm256_loadu_ps(x + i), a0);
     a1 = _mm256_fmadd_ps(load8(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
     a2 = _mm256_fmadd_ps(load8(w + i + 16), _mm256_loadu_ps(x + i + 16), a2);
