@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from moe.bench.llama_cpp import combine
 from moe.cli.bench import print_products
 from tests.checkpoints import ROOT, SHIPPED
 
@@ -31,3 +32,13 @@ def test_products_are_set_against_each_whole_step(capsys):
     assert "compiled): 7.00 ms per step = 142.9 tok/s" in out and "30.6 GB/s" in out
     assert "ours x1: step 12.00 ms = products alone + 5.00 ms" in out
     assert "needs a step of 6.00 ms: -1.00 ms besides the products" in out
+
+
+def test_llama_cpp_sessions_before_and_after_ours_make_one_row():
+    before = {"prefill_tokens": 512, "prefill_samples": [500.0, 510.0, 520.0], "decode_samples": [200.0, 190.0, 210.0],
+              "model_bytes": 1}
+    after = {**before, "prefill_samples": [600.0, 610.0, 620.0], "decode_samples": [230.0, 240.0, 250.0]}
+    row = combine([before, after])
+    assert row["sessions"] == 2 and len(row["decode_samples"]) == 6
+    assert row["decode1_step_s"] == pytest.approx(1 / 220.0)  # the median of all six runs
+    assert row["prefill_s"] == pytest.approx(512 / 560.0)

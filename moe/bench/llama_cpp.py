@@ -68,7 +68,16 @@ class LlamaCpp:
         tests = json.loads(done.stdout)
         prompt = next(t for t in tests if t["n_prompt"] == prefill and t["n_gen"] == 0)
         gen = next(t for t in tests if t["n_gen"] == new_tokens and t["n_prompt"] == 0)
-        return {"prefill_s": prefill / statistics.median(prompt["samples_ts"]),
-                "decode1_step_s": 1 / statistics.median(gen["samples_ts"]),
-                "prefill_samples": prompt["samples_ts"], "decode_samples": gen["samples_ts"],
-                "model_bytes": prompt["model_size"]}
+        return combine([{"prefill_tokens": prefill, "prefill_samples": prompt["samples_ts"],
+                         "decode_samples": gen["samples_ts"], "model_bytes": prompt["model_size"]}])
+
+
+def combine(runs: list[dict]) -> dict:
+    """Several llama-bench sessions as one row: the medians over all their runs. The bench runs llama.cpp before
+    and after its own cases, so that a slow or fast spell of a shared machine weighs on both sides alike."""
+    prefill = [x for r in runs for x in r["prefill_samples"]]
+    decode = [x for r in runs for x in r["decode_samples"]]
+    return {"prefill_s": runs[0]["prefill_tokens"] / statistics.median(prefill),
+            "decode1_step_s": 1 / statistics.median(decode), "prefill_tokens": runs[0]["prefill_tokens"],
+            "prefill_samples": prefill, "decode_samples": decode, "sessions": len(runs),
+            "model_bytes": runs[0]["model_bytes"]}

@@ -9,8 +9,9 @@ process on the same weights and thread count: this project on 1 rank (its defaul
 decode steps compiled, oneDNN-packed weights, torch's plain products) and on --gpus ranks (the automatic
 exchange, and all-to-all forced), and the peers named by --against: transformers' MixtralForCausalLM (when
 installed) and llama.cpp (`llama-bench` on the same weights converted to GGUF at the matching precision;
-moe.bench.llama_cpp). Figures are medians over --repeats
-runs. On N ranks it also counts, inside the rank processes, the collectives and host syncs of a decode step.
+moe.bench.llama_cpp; run before and after our cases, its figures the medians over both sessions). Figures are
+medians over --repeats runs. On N ranks it also counts, inside the rank processes, the collectives and host syncs
+of a decode step.
 
 Bounds: decode against memory bandwidth (weight bytes a step must read / step time), over the copy
 bandwidth counted as bytes copied per second (the issue's definition) and over the read bandwidth (the
@@ -142,7 +143,8 @@ def print_peers(rows: dict) -> None:
             if one:
                 print(f"{ours_name} vs {name}: decode b1 {peer['decode1_step_s'] / one['decode1_step_s']:.2f}x, "
                       f"prefill {peer['prefill_s'] / one['prefill_s']:.2f}x (> 1: ours faster)")
-        print(f"  llama-bench runs: decode {', '.join(f'{x:.1f}' for x in peer['decode_samples'])} tok/s, prefill "
+        print(f"  llama-bench runs (before and after ours): decode "
+              f"{', '.join(f'{x:.1f}' for x in peer['decode_samples'])} tok/s, prefill "
               f"{', '.join(f'{x:.0f}' for x in peer['prefill_samples'])} tok/s")
 
 
@@ -237,15 +239,17 @@ def main(args: argparse.Namespace) -> int:
         llama = LlamaCpp.find(args.llama_cpp)
         gguf = llama.to_gguf(path, args.dtype, args.workdir / "gguf")
     warm_page_cache(path)
+    peer_runs = [llama.run(gguf, args.threads, args.repeats, PREFILL, NEW_TOKENS)] if llama is not None else []
     rows = {}
     for impl, gpus in impls:
         r = run_case(args, impl, gpus, path)
         if r is not None:
             rows[f"{impl} x{gpus}"] = r
-    if llama is not None:
-        from moe.bench.llama_cpp import GGUF_NAMES
+    if llama is not None:  # before and after our cases: one row from both sessions
+        from moe.bench.llama_cpp import GGUF_NAMES, combine
 
-        rows[f"llama.cpp {GGUF_NAMES[args.dtype]}"] = llama.run(gguf, args.threads, args.repeats, PREFILL, NEW_TOKENS)
+        peer_runs.append(llama.run(gguf, args.threads, args.repeats, PREFILL, NEW_TOKENS))
+        rows[f"llama.cpp {GGUF_NAMES[args.dtype]}"] = combine(peer_runs)
     print_table(rows, bounds)
     print_peers(rows)
     products = run_case(args, "ours-products", 1, path)
