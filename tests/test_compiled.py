@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from moe import MoEModel
-from tests.checkpoints import TRAINED
+from tests.checkpoints import SHIPPED, TRAINED
 
 pytestmark = pytest.mark.slow  # the first step compiles (tens of seconds on a CPU)
 PROMPTS = [[1, 45, 312, 9, 77], [1, 8, 8]]  # different lengths: left padding in the compiled step
@@ -28,6 +28,27 @@ def test_compiled_decode_gives_the_eager_tokens_and_compiles_once():
     assert counters["stats"]["unique_graphs"] == graphs
     sampled = dict(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=3)
     assert compiled.generate(["And God said"], **sampled) == eager.generate(["And God said"], **sampled)
+
+
+def test_steps_that_skip_the_guards_still_run_their_own_graph():
+    """After its first call a signature runs with only the guards that tell graphs apart (moe.engine.compiled):
+    batch sizes, padding, a routing mode and a model of other shapes, taken in turns, each give the eager
+    tokens."""
+    eager, compiled = MoEModel.from_pretrained(TRAINED), MoEModel.from_pretrained(TRAINED, compile=True)
+    other_eager, other = MoEModel.from_pretrained(SHIPPED), MoEModel.from_pretrained(SHIPPED, compile=True)
+    one = [[1, 45, 312, 9]]  # batch 1, no padding
+
+    def same(model, reference, prompts):
+        return model.generate(prompts, max_new_tokens=8, ignore_eos=True) == \
+            reference.generate(prompts, max_new_tokens=8, ignore_eos=True)
+
+    for prompts in (PROMPTS, one, PROMPTS, one):
+        assert same(compiled, eager, prompts) and same(other, other_eager, one)
+    for round_robin in (True, False, True):  # a routing mode is a graph of its own
+        for model in (eager, compiled):
+            model.set_debug_routing(round_robin)
+        assert same(compiled, eager, one), round_robin
+    assert len(compiled.engine.compiled.seen) == 3  # 2 batch shapes, 1 of them in both routing modes
 
 
 def test_compile_is_refused_where_it_cannot_run():
