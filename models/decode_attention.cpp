@@ -78,11 +78,9 @@ void attend_group(const float* q, int64_t heads, const T* k, const T* v, int64_t
 }
 
 template <typename T>
-void run(const at::Tensor& qf, const at::Tensor& k, const at::Tensor& v, const bool* mask, int64_t mask_batch_stride,
-         float scale, at::Tensor& out) {
-  const int64_t B = qf.size(0), H = qf.size(1), d = qf.size(3), G = k.size(1), L = k.size(2), per = H / G;
-  const float* qp = qf.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+void run(const float* qp, const at::Tensor& k, const at::Tensor& v, const bool* mask, int64_t mask_batch_stride,
+         float scale, float* op, int64_t B, int64_t H, int64_t d) {
+  const int64_t G = k.size(1), L = k.size(2), per = H / G;
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
   at::parallel_for(0, B * G, 1, [&](int64_t begin, int64_t end) {
@@ -106,6 +104,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
               k.sizes(), ", ", v.sizes());
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
               "decode_attention: k and v both fp32 or both bf16");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "decode_attention: q fp32 or bf16");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.strides() == v.strides(),
               "decode_attention: k and v with the same strides, rows contiguous");
   const int64_t B = q.size(0), L = k.size(2);
@@ -120,15 +119,32 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     mp = m.data_ptr<bool>();
     mask_batch_stride = m.size(0) == 1 ? 0 : m.stride(0);
   }
-  const at::Tensor qf = q.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
-  const float scale = 1.f / std::sqrt(static_cast<float>(q.size(3)));
-  if (k.scalar_type() == at::kFloat) {
-    run<float>(qf, k, v, mp, mask_batch_stride, scale, out);
-  } else {
-    run<c10::BFloat16>(qf, k, v, mp, mask_batch_stride, scale, out);
+  // q and the output in fp32: read and written in place when fp32, else through this thread's buffers (no aten
+  // conversion per call), rounded to bf16 once at the end as `Tensor.to` rounds.
+  const int64_t H = q.size(1), d = q.size(3), n = q.numel();
+  const at::Tensor qc = q.contiguous();
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  thread_local std::vector<float> q_buffer, out_buffer;
+  const bool fp32 = q.scalar_type() == at::kFloat;
+  if (!fp32) {
+    q_buffer.resize(n);
+    out_buffer.resize(n);
+    const c10::BFloat16* qb = qc.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < n; ++i) q_buffer[i] = static_cast<float>(qb[i]);
   }
-  return out.to(q.scalar_type());
+  const float* qp = fp32 ? qc.data_ptr<float>() : q_buffer.data();
+  float* op = fp32 ? out.data_ptr<float>() : out_buffer.data();
+  const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  if (k.scalar_type() == at::kFloat) {
+    run<float>(qp, k, v, mp, mask_batch_stride, scale, op, B, H, d);
+  } else {
+    run<c10::BFloat16>(qp, k, v, mp, mask_batch_stride, scale, op, B, H, d);
+  }
+  if (!fp32) {
+    c10::BFloat16* ob = out.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < n; ++i) ob[i] = static_cast<c10::BFloat16>(out_buffer[i]);
+  }
+  return out;
 }
 
 }  // namespace
