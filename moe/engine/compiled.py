@@ -26,10 +26,10 @@ from models.mixture import Router
 from models.transformer import Transformer
 
 CACHE_BUCKET = 256  # cache lengths are multiples of this: few shapes, each a compile; at most 255 slots unused
-# Both need torch >= 2.6-2.13; older versions check every guard at every step.
-SKIPS_GUARDS = "skip_guard_eval_unsafe" in inspect.signature(torch.compiler.set_stance).parameters \
-    if hasattr(torch.compiler, "set_stance") else False
+# Recent torch features, looked for rather than assumed: without both every call checks every guard, as before.
 ISOLATES = "isolate_recompiles" in inspect.signature(torch.compile).parameters
+SKIPS_GUARDS = ISOLATES and hasattr(torch.compiler, "set_stance") and \
+    "skip_guard_eval_unsafe" in inspect.signature(torch.compiler.set_stance).parameters
 
 
 def compile_step(step, device: torch.device, isolate: bool = False):
