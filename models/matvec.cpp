@@ -169,8 +169,10 @@ at::Tensor grouped_matvec(const at::Tensor& x, const at::Tensor& w, const std::o
   // (an aten conversion and a zeroed output cost 60-120 us a decode step of 33 calls), and zeros written only
   // past the last group.
   at::Tensor xc = x.contiguous();
-  const float* xf = xc.scalar_type() == at::kFloat ? xc.data_ptr<float>() : nullptr;
-  if (xf == nullptr) {
+  const float* xf = nullptr;
+  if (xc.scalar_type() == at::kFloat) {
+    xf = xc.data_ptr<float>();
+  } else {
     thread_local std::vector<float> widened;
     widened.resize(n * in_features);
     const c10::BFloat16* xb = xc.data_ptr<c10::BFloat16>();

@@ -80,6 +80,17 @@ def test_grouped_products_match_a_naive_loop(w_dtype, x_dtype, width):
     assert torch.equal(alone[0], got[3])
 
 
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_no_rows_give_an_empty_result(w_dtype, x_dtype):
+    """A rank whose experts got no token copies still calls the kernel, with no rows."""
+    w = torch.ones(2, 3, 64).to(w_dtype)
+    scale = torch.ones(2, 3) if w_dtype == torch.int8 else None
+    got = matvec.grouped(torch.empty(0, 64, dtype=x_dtype), w, torch.zeros(2, dtype=torch.long), scale)
+    assert got.shape == (0, 3) and got.dtype == x_dtype
+
+
 @torch.inference_mode()
 def test_int8_sums_cannot_overflow():
     """Rows long enough for the int32 lanes to be widened twice, every term at its largest: the exact sum."""
