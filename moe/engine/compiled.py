@@ -7,12 +7,13 @@ kernel (an opaque op to it, `models.matvec`); on CUDA, `mode="reduce-overhead"` 
 `CACHE_BUCKET` slots, so a new request of the same batch size reuses both the cache and the compiled graph (the
 mask hides slots past the current one, which may hold an earlier request's keys).
 
-Guards: before each call dynamo checks about 1400 guards (every module, parameter and flag the step reads), 90 us
-of a 3 ms step. A model does not change under its step, so once a call signature (input shapes, cache, padding,
-routing modes) has gone through every guard, its later calls check only the guards that tell this step's graphs
-apart (`skip_guard_eval_unsafe`; dynamo keeps among them every input tensor's guard and every guard that ever sent
-a call to another graph). Each model's step keeps its own graphs (`isolate_recompiles`), so another model's graphs
-are never candidates.
+Guards: before each call dynamo checks about 1400 guards (every module, parameter and flag the step reads; 62 us
+of checks, and skipping them saves about 90 us of a 2.7 ms int8 step). A model does not change under its step, so
+once a call signature (input shapes, cache, padding, routing modes) has gone through every guard, its later calls
+check only the guards that tell this step's graphs apart (`skip_guard_eval_unsafe`; dynamo keeps among them every
+input tensor's guard and every guard that ever sent a call to another graph). Each model's step keeps its own
+graphs (`isolate_recompiles`), so another model's graphs are never candidates. The stance is process-wide while a
+step runs: a step of another model in another thread at that instant skips its guards too.
 """
 
 from __future__ import annotations
