@@ -126,13 +126,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   at::Tensor out = at::empty(q.sizes(), q.options());
   thread_local std::vector<float> q_buffer, out_buffer;
   const bool fp32 = q.scalar_type() == at::kFloat;
-  if (!fp32) {
-    q_buffer.resize(n);
-    out_buffer.resize(n);
-    const c10::BFloat16* qb = qc.data_ptr<c10::BFloat16>();
-    for (int64_t i = 0; i < n; ++i) q_buffer[i] = static_cast<float>(qb[i]);
-  }
-  const float* qp = fp32 ? qc.data_ptr<float>() : q_buffer.data();
+  const float* qp = moe_cpu::fp32_values(qc, q_buffer);
+  if (!fp32) out_buffer.resize(n);
   float* op = fp32 ? out.data_ptr<float>() : out_buffer.data();
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   if (k.scalar_type() == at::kFloat) {

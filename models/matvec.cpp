@@ -168,17 +168,9 @@ at::Tensor grouped_matvec(const at::Tensor& x, const at::Tensor& w, const std::o
   // Per call, only what the products need: fp32 rows read in place, bf16 rows widened into this thread's buffer
   // (an aten conversion and a zeroed output cost 60-120 us a decode step of 33 calls), and zeros written only
   // past the last group.
-  at::Tensor xc = x.contiguous();
-  const float* xf = nullptr;
-  if (xc.scalar_type() == at::kFloat) {
-    xf = xc.data_ptr<float>();
-  } else {
-    thread_local std::vector<float> widened;
-    widened.resize(n * in_features);
-    const c10::BFloat16* xb = xc.data_ptr<c10::BFloat16>();
-    for (int64_t i = 0; i < n * in_features; ++i) widened[i] = static_cast<float>(xb[i]);
-    xf = widened.data();
-  }
+  const at::Tensor xc = x.contiguous();
+  thread_local std::vector<float> widened;
+  const float* xf = moe_cpu::fp32_values(xc, widened);
   const int64_t covered = groups.empty() ? 0 : groups.back().first_row + groups.back().n_rows;
   at::Tensor y = at::empty({n, out_features}, x.options());
   if (covered < n) y.narrow(0, covered, n - covered).zero_();
