@@ -39,14 +39,15 @@ class Router(nn.Module):
         # Training keeps the last gate logits (with their graph) for the load-balancing loss.
         self.last_logits_TE: torch.Tensor | None = None
 
-    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x_TD: torch.Tensor, counting: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """`counting`: this rank keeps the entropy of these tokens (False where another rank routes them too)."""
         T = x_TD.shape[0]
         if self.weight is None or self.round_robin:
             ids_TK = torch.arange(T * self.top_k, device=x_TD.device).view(T, self.top_k) % self.n_experts
             weights_TK = torch.full((T, self.top_k), 1.0 / self.top_k, device=x_TD.device)
             return weights_TK, ids_TK
         logits_TE = F.linear(x_TD, self.weight).float()
-        if self.track_entropy:
+        if self.track_entropy and counting:
             with torch.no_grad():
                 logp_TE = torch.log_softmax(logits_TE, dim=-1)
                 self.entropy_sum -= (logp_TE.exp() * logp_TE).sum().double()
@@ -288,10 +289,12 @@ class MoEFeedForward(nn.Module):
         self.dispatcher = LocalDispatcher(cfg.n_experts)
         # Token copies routed to each expert: row 0 prefill, row 1 decode. Counted on device, read on demand.
         self.register_buffer("load_counts", torch.zeros(2, cfg.n_experts, dtype=torch.long), persistent=False)
-        self.counts_load = True  # False on all but one of the ranks that route the same tokens (tensor parallelism)
+        # False on all but one of the ranks that route the same tokens (tensor parallelism, redundant attention):
+        # neither the copies nor the entropy are counted there.
+        self.counts_load = True
 
     def forward(self, x_TD: torch.Tensor, decoding: bool = False) -> torch.Tensor:
-        weights_TK, ids_TK = self.gate(x_TD)
+        weights_TK, ids_TK = self.gate(x_TD, self.counts_load)
         if self.counts_load:
             self.load_counts[int(decoding)] += count_per_id(ids_TK.reshape(-1), self.n_experts)  # on device, no sync
         return self.run_experts(x_TD, weights_TK, ids_TK)

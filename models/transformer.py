@@ -65,15 +65,22 @@ class Transformer(nn.Module):
 
         `last_only` projects only the last position ([B, 1, V]): generation needs nothing else from a prefill.
         """
+        h = self.hidden_states(tokens_BS, start, caches, padding)
+        if last_only:
+            h = h[:, -1:]
+        return self.output(self.norm(h))
+
+    def hidden_states(self, tokens_BS: torch.Tensor, start: int = 0, caches: dict[str, KVCache] | None = None,
+                      padding: Padding | None = None) -> torch.Tensor:
+        """The last block's output [B, S, D]: `forward` without the head (a rank that runs the blocks for their
+        exchanges and needs no logits)."""
         B, S = tokens_BS.shape
         h = self.tok_embeddings(tokens_BS)
         ctx = AttentionContext.build(self.cfg, B, S, start, padding, h.device, h.dtype)
         rows = real_token_rows(padding, S, start, h.device)
         for name, block in self.layers.items():
             h = block(h, ctx, caches[name] if caches is not None else None, rows)
-        if last_only:
-            h = h[:, -1:]
-        return self.output(self.norm(h))
+        return h
 
     def decode_step(self, tokens_B1: torch.Tensor, slot: torch.Tensor, caches: dict[str, KVCache],
                     pad_B: torch.Tensor | None) -> torch.Tensor:

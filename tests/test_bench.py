@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from moe.bench.llama_cpp import combine
-from moe.cli.bench import print_products
+from moe.cli.bench import print_comparisons, print_products
 from tests.checkpoints import ROOT, SHIPPED
 
 
@@ -32,6 +32,18 @@ def test_products_are_set_against_each_whole_step(capsys):
     assert "compiled): 7.00 ms per step = 142.9 tok/s" in out and "30.6 GB/s" in out
     assert "ours x1: step 12.00 ms = products alone + 5.00 ms" in out
     assert "needs a step of 6.00 ms: -1.00 ms besides the products" in out
+
+
+def test_two_rank_steps_are_set_against_the_one_rank_step(capsys):
+    batches = {"decode8_step_s": 0.08, "decode32_step_s": 0.16, "tokens8_hash": "a"}
+    rows = {"ours x1": {"decode1_step_s": 0.010},
+            "ours x2": {"decode1_step_s": 0.025, "rows_per_block_per_token": [2.0], **batches},
+            "ours-replicated x2": {"decode1_step_s": 0.019, **batches}}
+    print_comparisons(rows, 2, type("Config", (), {"top_k": 2, "dim": 512}))
+    out = capsys.readouterr().out
+    assert "2 ranks: decode step 25.0 ms = 2.50 x the 1-rank step" in out
+    assert "2 ranks, replicated attention: decode step 19.0 ms = 1.90 x the 1-rank step" in out
+    assert "greedy tokens identical" in out
 
 
 def test_llama_cpp_sessions_before_and_after_ours_make_one_row():

@@ -57,6 +57,26 @@ def test_exact_counts_identical_on_every_rank(ckpt, tmp_path):
     check_written_report(report, tmp_path)
 
 
+@pytest.mark.multiprocess
+def test_counts_and_entropy_once_when_every_rank_runs_the_sequence(ckpt):
+    """One sequence on 2 ranks with replicated attention: both ranks route it alike (`ReplicatedAttentionEngine.
+    redundant`) and only one counts it; two sequences are split again and each rank counts its own."""
+    def run(model):
+        model.track_router_entropy()
+        for ids in ([[1, 5, 6, 7, 8]], [[1, 5, 6, 7, 8], [1, 9, 10]], [[1, 9, 10]]):
+            model.generate(ids, max_new_tokens=4, temperature=0)
+        report = model.expert_load()
+        return report.counts, report.to_json()["mean_router_entropy"], report.rank_load()[0]
+
+    with MoEModel.from_pretrained(ckpt) as model:
+        counts, entropy, _ = run(model)
+    with MoEModel.from_pretrained(ckpt, gpus=2, attention="replicated") as model:
+        got, got_entropy, rows = run(model)
+    assert torch.equal(got, counts)
+    assert got_entropy == pytest.approx(entropy, rel=1e-6)
+    assert rows.sum().item() == counts.sum().item() / 3  # rows computed per block, over both ranks: each copy once
+
+
 def check_written_report(report, out):
     paths = report.write(out)
     data = json.loads((out / "expert_load.json").read_text())

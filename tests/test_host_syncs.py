@@ -74,6 +74,19 @@ def test_two_rank_decode_step_makes_two_collectives_per_block_when_gathering(exc
 
 
 @pytest.mark.multiprocess
+def test_a_lone_sequence_with_replicated_attention_makes_one_collective_per_block():
+    """Every rank runs the sequence: no rows to move, the experts' partial sums summed by one all-gather."""
+    dim = MoEModel.from_pretrained(SHIPPED).config.dim
+    for rank, got in enumerate(count_decode_step(str(SHIPPED), 2, strategy="replicated/expert", kernels="torch",
+                                                 sequences=1)):
+        calls, blocks = got["calls"], got["blocks"]
+        assert calls == {"all_gather": blocks, "broadcast": 1}, (rank, calls)  # no gather of the logits either
+        assert got["syncs"] == blocks + 1  # the local experts' counts (torch kernels), and the token
+        # each rank sends its [1, dim] fp32 partial sum per block; the head's rank also the token and stop flag
+        assert got["bytes_per_token"] - blocks * dim * 4 == (16 if rank == 0 else 0), (rank, got)
+
+
+@pytest.mark.multiprocess
 def test_tensor_parallel_decode_step_makes_one_all_reduce_for_attention_and_one_for_experts():
     """vLLM's layout on 2 ranks: no exchange, no point-to-point move, every size fixed."""
     dim = MoEModel.from_pretrained(SHIPPED).config.dim

@@ -51,6 +51,20 @@ def test_replicated_attention_gives_the_one_rank_answer(reference, gpus):
     assert {"tok_embeddings.weight", "output.weight", "layers.0.attention.wq.weight"} <= names  # dense on every rank
 
 
+@pytest.mark.parametrize(("gpus", "experts"), [(2, "expert"), (3, "expert"), (2, "tensor")])
+def test_a_lone_sequence_run_on_every_rank_gives_the_one_rank_answer(reference, gpus, experts):
+    # Fewer sequences than ranks with replicated attention: every rank runs every sequence (one collective per
+    # block), and the answer is the one rank's.
+    path = reference[0]
+    ids = reference[1][:1]
+    one = MoEModel.from_pretrained(path)
+    want, want_tokens = one(ids), one.generate(PROMPTS[:1], max_new_tokens=12, temperature=0)
+    with MoEModel.from_pretrained(path, gpus=gpus, attention="replicated", experts=experts) as model:
+        assert (model(ids) - want).abs().max().item() < 1e-5
+        assert model.generate(PROMPTS[:1], max_new_tokens=12, temperature=0) == want_tokens
+        assert model.generate(PROMPTS[:gpus], max_new_tokens=12, temperature=0)[:1] == want_tokens  # split again
+
+
 def test_non_default_placement_gives_the_one_rank_answer(reference, tmp_path):
     cfg = SHAPES["5blocks-8experts"] if "5blocks" in str(reference[0]) else SHAPES["2blocks-6experts-tied"]
     L, E = cfg.n_layers, cfg.n_experts

@@ -81,15 +81,16 @@ DECODE_PROMPTS = [[1, 15, 27, 99, 7], [1, 300, 41, 8, 8]]  # equal lengths: deco
 
 
 def count_decode_step(path: str, world_size: int, exchange: str = "auto", dtype: str = "float32",
-                      kernels: str = "auto", strategy: str = "layer/expert") -> list[dict]:
-    """Per rank: communication calls by kind, bytes sent and host syncs in one greedy decode step of 2 sequences
-    on `world_size` rank processes (a run of 12 new tokens minus a run of 4, divided by 8). `kernels="torch"`
-    runs the experts one by one as GPUs do (their counts read on the host), "auto" the CPU's streaming kernel.
-    `strategy`: every block's "attention/experts" (`moe.parallel.strategies`), e.g. "tensor/tensor:2"."""
+                      kernels: str = "auto", strategy: str = "layer/expert", sequences: int = 2) -> list[dict]:
+    """Per rank: communication calls by kind, bytes sent and host syncs in one greedy decode step of `sequences`
+    (1 or 2) on `world_size` rank processes (a run of 12 new tokens minus a run of 4, divided by 8).
+    `kernels="torch"` runs the experts one by one as GPUs do (their counts read on the host), "auto" the CPU's
+    streaming kernel. `strategy`: every block's "attention/experts" (`moe.parallel.strategies`), e.g.
+    "tensor/tensor:2"."""
     from moe.workers.group import run_ranks
 
     with tempfile.TemporaryDirectory() as out:
-        run_ranks(_count_on_rank, world_size, str(path), dtype, exchange, kernels, strategy, out)
+        run_ranks(_count_on_rank, world_size, str(path), dtype, exchange, kernels, strategy, sequences, out)
         return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
@@ -106,7 +107,7 @@ def strategy_plan(cfg, world_size: int, strategy: str):
 
 
 def _count_on_rank(rank: int, world_size: int, port: int, path: str, dtype: str, exchange: str, kernels: str,
-                   strategy: str, out: str) -> None:
+                   strategy: str, sequences: int, out: str) -> None:
     from moe.bench.syncs import HostSyncCounter
     from moe.checkpoint.formats import detect
     from moe.generation import SamplingParams, generate_tokens
@@ -120,12 +121,12 @@ def _count_on_rank(rank: int, world_size: int, port: int, path: str, dtype: str,
     runs = []
     for n in (4, 12):
         with CollectiveCounter() as calls, HostSyncCounter() as syncs:
-            generate_tokens(engine, DECODE_PROMPTS, SamplingParams(n, 0.0, 1.0, 0, 0), None, 10**6)
+            generate_tokens(engine, DECODE_PROMPTS[:sequences], SamplingParams(n, 0.0, 1.0, 0, 0), None, 10**6)
         runs.append((calls.by_call, syncs.total, calls.bytes_sent))
     (calls4, syncs4, sent4), (calls12, syncs12, sent12) = runs
     result = {"calls": {name: (calls12[name] - calls4[name]) / 8 for name in calls12},
               "collectives": sum((calls12[n] - calls4[n]) / 8 for n in COLLECTIVES),
               "syncs": (syncs12 - syncs4) / 8, "blocks": cfg.n_layers,
-              "bytes_per_token": (sent12 - sent4) / 8 / len(DECODE_PROMPTS)}
+              "bytes_per_token": (sent12 - sent4) / 8 / sequences}
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy()

@@ -172,12 +172,14 @@ def print_exchange_counts(path: Path, args: argparse.Namespace) -> None:
     """Collectives and host syncs per block and decode step, counted inside the rank processes."""
     from moe.bench.collectives import count_decode_step
 
-    for exchange in ("auto", "all-to-all"):
-        ranks = count_decode_step(str(path), args.gpus, exchange, args.dtype)
+    cases = [(f"exchange {exchange}", {"exchange": exchange}) for exchange in ("auto", "all-to-all")]
+    cases.append(("replicated attention, one sequence", {"strategy": "replicated/expert", "sequences": 1}))
+    for label, how in cases:
+        ranks = count_decode_step(str(path), args.gpus, dtype=args.dtype, **how)
         blocks = ranks[0]["blocks"]
         worst = max(ranks, key=lambda r: r["collectives"])
         kinds = ", ".join(f"{k} {v / blocks:g}" for k, v in sorted(worst["calls"].items()) if v)
-        print(f"{args.gpus} ranks, exchange {exchange}: per block and decode step {worst['collectives'] / blocks:.2f} "
+        print(f"{args.gpus} ranks, {label}: per block and decode step {worst['collectives'] / blocks:.2f} "
               f"collectives ({kinds}; the step's one token broadcast included), host syncs "
               f"{max(r['syncs'] for r in ranks) / blocks:.2f} (worst rank)")
 
@@ -191,6 +193,10 @@ def print_comparisons(rows: dict, gpus: int, cfg) -> None:
               f"and token: {', '.join(f'{x:.2f}' for x in rows_per_token)} (k = {cfg.top_k}), i.e. "
               f"{cfg.top_k} x {cfg.dim} values each way")
     replicated = rows.get(f"ours-replicated x{gpus}")
+    if one and replicated and gpus > 1:
+        print(f"{gpus} ranks, replicated attention: decode step {replicated['decode1_step_s'] * 1e3:.1f} ms = "
+              f"{replicated['decode1_step_s'] / one['decode1_step_s']:.2f} x the 1-rank step (a lone sequence runs "
+              "on every rank: one collective per block)")
     if many and replicated and gpus > 1:
         print(f"{gpus} ranks, batches: plain (layer placement) {8 / many['decode8_step_s']:.1f} / "
               f"{32 / many['decode32_step_s']:.1f} tok/s at batch 8 / 32; replicated attention "

@@ -4,17 +4,26 @@ experts stay spread as in the placement, and each rank runs its own slice of the
 With layer placement one owner works per block while the others only exchange rows; here every rank
 attends for its sequences at once and sends its own tokens in every exchange (the layout DeepSeek calls
 data-parallel attention, and the trainer's). The batch is split in contiguous slices, rank r the r-th;
-a rank with no sequence still enters every exchange. Rank 0 gathers the last-position logits, samples,
-and broadcasts the tokens, so control flow is decided in one place. Costs: the dense weights on every
-rank (a few percent of a Mixtral) and one gather of logits per step.
+rank 0 gathers the last-position logits, samples, and broadcasts the tokens, so control flow is decided in one
+place. Costs: the dense weights on every rank (a few percent of a Mixtral) and one gather of logits per step.
+
+A batch smaller than the ranks (one sequence on 2 ranks: the latency case) would leave ranks without a sequence,
+waiting while the others attend. Instead every rank then runs every sequence (`redundant`): the attention is
+done alike on every rank, in the time one rank would take, so no rows need moving to the experts and each block
+costs one collective (the experts' partial sums, `moe.parallel.gather`), and rank 0 holds the logits without a
+gather. Every rank computes the same bits (the same kernels on the same rows, the sums added in rank order), so
+every rank routes alike. Only where each expert has one replica and the exchange is "auto".
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from models.attention import Padding
 from moe.engine.sharded import ShardedEngine
+from moe.parallel.gather import ExchangeDispatcher
 
 
 class ReplicatedAttentionEngine(ShardedEngine):
@@ -22,8 +31,19 @@ class ReplicatedAttentionEngine(ShardedEngine):
     def head_rank(self) -> int:
         return 0
 
+    @functools.cached_property
+    def _routes_alike(self) -> bool:
+        """Every rank would send a copy to the same slot: no expert has replicas, whose round-robin state each rank
+        keeps for its own rows (experts split by `tensor` have a slot per slice, and every copy goes to each)."""
+        dispatchers = [b.feed_forward.dispatcher for b in self.model.layers.values()]
+        return all(isinstance(d, ExchangeDispatcher) and not d.table.replicated for d in dispatchers)
+
+    def redundant(self, batch: int) -> bool:
+        """Every rank runs every sequence of this batch (the module docstring says when and why)."""
+        return batch < self.dist.world_size and self.step.exchange == "auto" and self._routes_alike
+
     def my_rows(self, batch: int) -> torch.Tensor:
-        return torch.arange(*self._bounds(batch)[self.rank])
+        return torch.arange(batch) if self.redundant(batch) else torch.arange(*self._bounds(batch)[self.rank])
 
     def start(self, batch: int, length: int, pad_B: torch.Tensor) -> None:
         rows = self.my_rows(batch)
@@ -34,9 +54,18 @@ class ReplicatedAttentionEngine(ShardedEngine):
     def tokens_to_logits(self, tokens_BS: torch.Tensor, start: int, padding: Padding | None,
                          caches, last_only: bool) -> torch.Tensor | None:
         B, S = tokens_BS.shape
-        rows = self.my_rows(B)
         device = self.dist.device
+        redundant = self.redundant(B)
+        self.step.everywhere = redundant
         self.step.most = -(-B // self.dist.world_size) * S  # the largest slice's tokens
+        for block in self.model.layers.values():  # one rank counts the copies every rank routes alike
+            block.feed_forward.counts_load = self.rank == 0 or not redundant
+        if redundant:  # rank 0 computes the logits; the others run the blocks for their exchanges
+            if self.rank == self.head_rank:
+                return self.model(tokens_BS.to(device), start, caches, padding, last_only=last_only)
+            self.model.hidden_states(tokens_BS.to(device), start, caches, padding)
+            return None
+        rows = self.my_rows(B)
         if len(rows):
             local = self.model(tokens_BS[rows].to(device), start, caches, padding, last_only=last_only)
         else:

@@ -133,6 +133,17 @@ class DistContext:
             out += parts[r * rows:(r + 1) * rows]
         return out
 
+    def sum_in_rank_order(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of `t`, added in rank order here: the same bits on every rank, whatever the backend
+        (one all-gather; for a decode step's few rows, where the volume is nothing and the call is everything)."""
+        if not self.distributed:
+            return t
+        parts = self.all_gather(t).view(self.world_size, *t.shape)
+        out = parts[0].clone()
+        for r in range(1, self.world_size):
+            out += parts[r]
+        return out
+
     def gather(self, t: torch.Tensor, dst: int) -> list[torch.Tensor] | None:
         """Every rank's equally shaped `t`, in rank order, on `dst`; None elsewhere."""
         if not self.distributed:

@@ -8,6 +8,10 @@ variable exchanges cost more than the rows they move. Here (the layout vLLM and 
 2. each rank runs the copies routed to its own slots, weights them, and sums them per token, all on device;
 3. one reduce-scatter sums the partial results over ranks and hands each rank back its own rows.
 
+Where every rank already holds every row (replicated attention run redundantly for a batch smaller than the
+ranks: `StepRows.everywhere`), step 1 has nothing to move and step 3 is one sum over ranks, in rank order (the
+same bits on every rank, so every rank routes the next block alike): one collective per block.
+
 The slot of a copy (which replica computes it) is still chosen by the rank that routed the token, so replicas
 split the load as on the all-to-all path. `StepRows` says, before each forward pass, how many rows the
 fullest rank brings (the same number on every rank, from shapes every rank knows); `ExchangeDispatcher`
@@ -39,6 +43,7 @@ class StepRows:
             raise ValueError(f"exchange={exchange!r}: use one of {', '.join(EXCHANGES)}")
         self.exchange = exchange
         self.most = 0
+        self.everywhere = False  # every rank holds every row of this forward pass (set by the engine)
 
     @property
     def gather(self) -> bool:
@@ -50,6 +55,7 @@ class Gathered(Dispatched):
     """`Dispatched` over the gathered rows of every rank (`n_tokens` = ranks x most), plus where this rank's are."""
 
     own_rows: int  # rows this rank brought; its results are rows rank*most .. rank*most+own_rows of the sum
+    everywhere: bool = False  # every rank holds every row: the partial sums are summed, not scattered
 
 
 class ExchangeDispatcher(AllToAllDispatcher):
@@ -61,20 +67,28 @@ class ExchangeDispatcher(AllToAllDispatcher):
         self.gathered_rows = torch.zeros((), dtype=torch.long, device=dist.device)  # on device: no sync to count
 
     def dispatch(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor):
+        if self.step.everywhere:  # every rank routed the same rows alike: nothing to move
+            weights_TK, slot_TK = self.table.route(weights_TK, ids_TK)
+            return self._mine(x_TD, weights_TK, slot_TK, x_TD.shape[0], everywhere=True)
         if not self.step.gather:
             return super().dispatch(x_TD, weights_TK, ids_TK)
         weights_TK, slot_TK = self.table.route(weights_TK, ids_TK)
-        R, M, K = self.dist.world_size, self.table.slots_per_rank, slot_TK.shape[1]
-        most, T, D = self.step.most, x_TD.shape[0], x_TD.shape[1]
-        x_RD, w_RK, slot_RK = unpack(self.dist.all_gather(pack(x_TD, weights_TK, slot_TK, most)), D, K, x_TD.dtype)
-        # Copies for this rank's slots by local slot; every other copy gets slot M and sorts last.
+        K, D = slot_TK.shape[1], x_TD.shape[1]
+        packed = self.dist.all_gather(pack(x_TD, weights_TK, slot_TK, self.step.most))
+        return self._mine(*unpack(packed, D, K, x_TD.dtype), own_rows=x_TD.shape[0])
+
+    def _mine(self, x_RD: torch.Tensor, w_RK: torch.Tensor, slot_RK: torch.Tensor, own_rows: int,
+              everywhere: bool = False):
+        """The copies among these rows for this rank's slots, grouped by local slot; every other copy gets slot M,
+        sorts last, and weighs nothing."""
+        M = self.table.slots_per_rank
         mine = slot_RK // M == self.dist.rank
         local_RK = torch.where(mine, slot_RK % M, M)
         g = group_by_expert(local_RK, M + 1)
         counts = g.counts_E[:self.n_local]
         self.gathered_rows += counts.sum()
         weight_N = torch.where(mine.reshape(-1), w_RK.reshape(-1), 0.0)[g.order_N]
-        meta = Gathered(g.token_N, weight_N, R * most, own_rows=T)
+        meta = Gathered(g.token_N, weight_N, x_RD.shape[0], own_rows=own_rows, everywhere=everywhere)
         return x_RD[g.token_N], counts, meta
 
     def combine(self, y_ND: torch.Tensor, meta: Dispatched) -> torch.Tensor:
@@ -82,6 +96,8 @@ class ExchangeDispatcher(AllToAllDispatcher):
             return super().combine(y_ND, meta)
         n = y_ND.shape[0]  # the experts return only the rows for this rank's slots, which come first
         partial = weighted_sum(y_ND, Dispatched(meta.token_N[:n], meta.weight_N[:n], meta.n_tokens))
+        if meta.everywhere:
+            return self.dist.sum_in_rank_order(partial)
         return self.dist.reduce_scatter(partial)[:meta.own_rows]
 
     @property
