@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from moe.bench.collectives import collective_cost
+from moe.bench.in_turns import LAYOUTS, decode_steps_in_turns
 from moe.bench.llama_cpp import combine
 from moe.cli.bench import print_comparisons, print_products
 from tests.checkpoints import ROOT, SHIPPED
@@ -44,6 +46,20 @@ def test_two_rank_steps_are_set_against_the_one_rank_step(capsys):
     assert "2 ranks: decode step 25.0 ms = 2.50 x the 1-rank step" in out
     assert "2 ranks, replicated attention: decode step 19.0 ms = 1.90 x the 1-rank step" in out
     assert "greedy tokens identical" in out
+
+
+@pytest.mark.multiprocess
+def test_layouts_measured_in_turns_give_step_times_and_the_one_rank_tokens():
+    steps, differ = decode_steps_in_turns(str(SHIPPED), "float32", 2, 2, rounds=2, new_tokens=4)
+    assert set(steps) == {"1 rank", *LAYOUTS} and all(0 < s < 1 for s in steps.values())
+    assert differ == []  # fp32: every layout gives the 1-rank tokens
+
+
+@pytest.mark.multiprocess
+def test_a_collective_is_timed_idle_and_between_products():
+    cost = collective_cost(2, 64, product_mb=1, calls=5)
+    for case in ("idle", "working"):
+        assert 0 < cost[case]["median"] <= cost[case]["p90"] < 5, cost
 
 
 def test_llama_cpp_sessions_before_and_after_ours_make_one_row():

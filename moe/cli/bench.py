@@ -48,6 +48,7 @@ from moe.cli.common import run_command
 # A sized random checkpoint has no tokenizer; llama.cpp's converter needs one (its vocabulary is padded to the model's).
 BENCH_TOKENIZER = Path(__file__).resolve().parents[2] / "weights" / "tiny-moe-austen-bbe" / "tokenizer.model"
 ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}  # bytes per linear weight
+IN_TURNS_ROUNDS = 8  # N ranks: rounds of batch-1 decode steps with every layout loaded at once (moe.bench.in_turns)
 
 
 def cpu_name() -> str:
@@ -184,6 +185,30 @@ def print_exchange_counts(path: Path, args: argparse.Namespace) -> None:
               f"{max(r['syncs'] for r in ranks) / blocks:.2f} (worst rank)")
 
 
+def print_n_ranks(path: Path, args: argparse.Namespace, cfg) -> dict:
+    """N ranks: their collectives per block, their batch-1 steps measured in turns with the 1-rank step, and what
+    one collective costs here. Returns the steps in turns."""
+    from moe.bench.in_turns import decode_steps_in_turns, print_steps_in_turns
+
+    print_exchange_counts(path, args)
+    in_turns, differ = decode_steps_in_turns(str(path), args.dtype, args.gpus, args.threads, IN_TURNS_ROUNDS)
+    print_steps_in_turns(in_turns, differ, args.gpus, IN_TURNS_ROUNDS)
+    print_collective_cost(args.gpus, cfg.dim)
+    return in_turns
+
+
+def print_collective_cost(gpus: int, dim: int) -> None:
+    """What bounds N ranks on this machine: one step's collective, idle and between equal products."""
+    from moe.bench.collectives import collective_cost
+
+    cost = collective_cost(gpus, dim)
+    idle, working = (cost[k] for k in ("idle", "working"))
+    print(f"{gpus} ranks, one all-gather of a [1, {dim}] fp32 row (a lone sequence's block sum), a thread per rank: "
+          f"idle median {idle['median'] * 1e3:.2f} / mean {idle['mean'] * 1e3:.2f} ms; after an equal 16 MB "
+          f"product on every rank median {working['median'] * 1e3:.2f} / mean {working['mean'] * 1e3:.2f} / p90 "
+          f"{working['p90'] * 1e3:.2f} ms (the ranks drift apart and the first waits)")
+
+
 def print_comparisons(rows: dict, gpus: int, cfg) -> None:
     one, many = rows.get("ours x1"), rows.get(f"ours x{gpus}")
     if one and many and gpus > 1:
@@ -262,14 +287,14 @@ def main(args: argparse.Namespace) -> int:
     if products is not None:
         print_products(products, rows, bounds)
     print_comparisons(rows, args.gpus, bounds["cfg"])
-    if args.gpus > 1:
-        print_exchange_counts(path, args)
+    in_turns = print_n_ranks(path, args, bounds["cfg"]) if args.gpus > 1 else None
     if args.json:
         args.json.write_text(json.dumps({"size": args.size, "dtype": args.dtype, "threads": args.threads,
                                          "cpu": cpu_name(), "bandwidth_gbs": bounds["bandwidth"],
                                          "read_gbs": bounds["read"], "matmul_gflops": bounds["peaks"],
                                          "decode_bytes": bounds["step_bytes"], "new_tokens": NEW_TOKENS,
-                                         "prefill_tokens": PREFILL, "cases": rows}, indent=1) + "\n")
+                                         "prefill_tokens": PREFILL, "cases": rows,
+                                         "decode_steps_in_turns": in_turns}, indent=1) + "\n")
     return 0
 
 

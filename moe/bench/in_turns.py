@@ -1,0 +1,57 @@
+"""Batch-1 decode steps of several layouts measured in turns: every layout loaded at once, each generating in its
+turn, round after round (the order reversed every other round), so a slow or fast spell of a shared machine weighs
+on all of them alike. `scripts/bench.py --gpus N` (N > 1) prints them against the 1-rank step of the same rounds:
+the figure the N-rank latency target is set against.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from moe.bench.speed import DECODE_PROMPT, prompts
+
+# name -> MoEModel.from_pretrained options besides the ranks: how a lone sequence is served on N ranks
+LAYOUTS = {
+    "layer/expert": {},
+    "replicated/expert, each rank its slice": {"attention": "replicated", "exchange": "gather"},
+    "replicated/expert": {"attention": "replicated"},
+    "replicated/tensor": {"attention": "replicated", "experts": "tensor"},
+}
+
+
+def decode_steps_in_turns(path: str, dtype: str, gpus: int, threads: int, rounds: int = 8,
+                          new_tokens: int = 64) -> tuple[dict[str, float], list[str]]:
+    """({"1 rank": median step seconds, layout: ...}, the layouts whose greedy tokens differed from the 1-rank
+    tokens in some round). The 1-rank model gets `threads`, each of the `gpus` ranks threads // gpus."""
+    from moe import MoEModel
+
+    models = {"1 rank": MoEModel.from_pretrained(path, dtype=dtype, threads=threads)}
+    try:
+        for name, options in LAYOUTS.items():
+            models[name] = MoEModel.from_pretrained(path, dtype=dtype, gpus=gpus, threads=max(1, threads // gpus),
+                                                    **options)
+        vocab = models["1 rank"].config.vocab_size
+        for model in models.values():  # warm-up
+            model.generate(prompts(1, DECODE_PROMPT, vocab), max_new_tokens=4, ignore_eos=True)
+        steps: dict[str, list[float]] = {name: [] for name in models}
+        differ: set[str] = set()
+        for r in range(rounds):
+            turns = list(models.items())
+            tokens = {}
+            for name, model in turns if r % 2 == 0 else turns[::-1]:
+                tokens[name] = model.generate(prompts(1, DECODE_PROMPT, vocab, r), max_new_tokens=new_tokens,
+                                              ignore_eos=True)
+                steps[name].append(model.last_result.decode_seconds / (new_tokens - 1))
+            differ |= {name for name, out in tokens.items() if out != tokens["1 rank"]}
+        return {name: statistics.median(s) for name, s in steps.items()}, [n for n in LAYOUTS if n in differ]
+    finally:
+        for model in models.values():
+            model.close()
+
+
+def print_steps_in_turns(steps: dict[str, float], differ: list[str], gpus: int, rounds: int) -> None:
+    one = steps["1 rank"]
+    parts = [f"{name} {s * 1e3:.2f} ms = {s / one:.2f}x" for name, s in steps.items() if name != "1 rank"]
+    print(f"{gpus} ranks, batch-1 decode step, every layout loaded at once and measured in turns ({rounds} rounds): "
+          f"1 rank {one * 1e3:.2f} ms; {'; '.join(parts)} the 1-rank step; greedy tokens as on 1 rank: "
+          + (f"all but {', '.join(differ)} (a rounding apart)" if differ else "all"))
