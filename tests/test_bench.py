@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from moe.bench.collectives import collective_cost
-from moe.bench.in_turns import LAYOUTS, decode_steps_in_turns
+from moe.bench.in_turns import LAYOUTS, decode_steps_in_turns, memory_short
 from moe.bench.llama_cpp import combine
 from moe.cli.bench import print_comparisons, print_products
 from tests.checkpoints import ROOT, SHIPPED
@@ -53,6 +53,7 @@ def test_layouts_measured_in_turns_give_step_times_and_the_one_rank_tokens():
     steps, differ = decode_steps_in_turns(str(SHIPPED), "float32", 2, 2, rounds=2, new_tokens=4)
     assert set(steps) == {"1 rank", *LAYOUTS} and all(0 < s < 1 for s in steps.values())
     assert differ == []  # fp32: every layout gives the 1-rank tokens
+    assert memory_short(str(SHIPPED)) is None  # a few MB
 
 
 @pytest.mark.multiprocess

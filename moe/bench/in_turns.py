@@ -6,7 +6,9 @@ the figure the N-rank latency target is set against.
 
 from __future__ import annotations
 
+import os
 import statistics
+from pathlib import Path
 
 from moe.bench.speed import DECODE_PROMPT, prompts
 
@@ -17,6 +19,16 @@ LAYOUTS = {
     "replicated/expert": {"attention": "replicated"},
     "replicated/tensor": {"attention": "replicated", "experts": "tensor"},
 }
+
+
+def memory_short(path: str) -> str | None:
+    """Why every layout cannot be loaded at once here (each holds about the checkpoint's bytes over its ranks, more
+    with replicated attention), or None."""
+    need = 1.3 * (1 + len(LAYOUTS)) * sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
+    free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    if need > free:
+        return f"{len(LAYOUTS) + 1} models at once need about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+    return None
 
 
 def decode_steps_in_turns(path: str, dtype: str, gpus: int, threads: int, rounds: int = 8,

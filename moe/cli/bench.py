@@ -185,14 +185,18 @@ def print_exchange_counts(path: Path, args: argparse.Namespace) -> None:
               f"{max(r['syncs'] for r in ranks) / blocks:.2f} (worst rank)")
 
 
-def print_n_ranks(path: Path, args: argparse.Namespace, cfg) -> dict:
+def print_n_ranks(path: Path, args: argparse.Namespace, cfg) -> dict | None:
     """N ranks: their collectives per block, their batch-1 steps measured in turns with the 1-rank step, and what
     one collective costs here. Returns the steps in turns."""
-    from moe.bench.in_turns import decode_steps_in_turns, print_steps_in_turns
+    from moe.bench.in_turns import decode_steps_in_turns, memory_short, print_steps_in_turns
 
     print_exchange_counts(path, args)
-    in_turns, differ = decode_steps_in_turns(str(path), args.dtype, args.gpus, args.threads, IN_TURNS_ROUNDS)
-    print_steps_in_turns(in_turns, differ, args.gpus, IN_TURNS_ROUNDS)
+    in_turns = None
+    if (short := memory_short(str(path))) is not None:
+        print(f"{args.gpus} ranks, batch-1 decode steps in turns: not measured ({short})")
+    else:
+        in_turns, differ = decode_steps_in_turns(str(path), args.dtype, args.gpus, args.threads, IN_TURNS_ROUNDS)
+        print_steps_in_turns(in_turns, differ, args.gpus, IN_TURNS_ROUNDS)
     print_collective_cost(args.gpus, cfg.dim)
     return in_turns
 
