@@ -15,6 +15,7 @@ from moe.bench.speed import DECODE_PROMPT, prompts
 # name -> MoEModel.from_pretrained options besides the ranks: how a lone sequence is served on N ranks
 LAYOUTS = {
     "layer/expert": {},
+    "layer/tensor": {"experts": "tensor"},
     "replicated/expert, each rank its slice": {"attention": "replicated", "exchange": "gather"},
     "replicated/expert": {"attention": "replicated"},
     "replicated/tensor": {"attention": "replicated", "experts": "tensor"},
