@@ -128,21 +128,14 @@ class DistContext:
             return out
         parts = torch.empty_like(t)
         dist.all_to_all_single(parts, t.contiguous())  # equal splits: block r of `parts` came from rank r
-        out = parts[:rows].clone()
-        for r in range(1, self.world_size):
-            out += parts[r * rows:(r + 1) * rows]
-        return out
+        return _blocks_summed_in_order(parts, self.world_size)
 
     def sum_in_rank_order(self, t: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of `t`, added in rank order here: the same bits on every rank, whatever the backend
         (one all-gather; for a decode step's few rows, where the volume is nothing and the call is everything)."""
         if not self.distributed:
             return t
-        parts = self.all_gather(t).view(self.world_size, *t.shape)
-        out = parts[0].clone()
-        for r in range(1, self.world_size):
-            out += parts[r]
-        return out
+        return _blocks_summed_in_order(self.all_gather(t), self.world_size)
 
     def gather(self, t: torch.Tensor, dst: int) -> list[torch.Tensor] | None:
         """Every rank's equally shaped `t`, in rank order, on `dst`; None elsewhere."""
@@ -174,6 +167,15 @@ class DistContext:
     def destroy(self) -> None:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _blocks_summed_in_order(parts: torch.Tensor, world_size: int) -> torch.Tensor:
+    """`parts` [world x rows, ...] as `world_size` blocks of rows, one per rank, summed in rank order."""
+    rows = parts.shape[0] // world_size
+    out = parts[:rows].clone()
+    for r in range(1, world_size):
+        out += parts[r * rows:(r + 1) * rows]
+    return out
 
 
 def single_process(device: str | torch.device = "cpu") -> DistContext:
