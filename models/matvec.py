@@ -43,6 +43,9 @@ MAX_ROWS = 8
 # A block's experts share the rows of a step: up to this many copies (a decode batch of 16 at top-2) they run as
 # one grouped call.
 EXPERT_MAX_ROWS = 4 * MAX_ROWS
+# -ffp-contract=off: the compiler never fuses a multiply and an add on its own, so each kernel rounds exactly where
+# its code says, and the decode and prompt kernels, which sum in one order (row_dot.h: `dot_rows`), agree bit for bit.
+CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 _why = ""  # why the kernel is unavailable, once `available()` said so
 
 
@@ -71,7 +74,7 @@ def available() -> bool:
             print("building the CPU kernels (models/matvec.cpp, prompt_gemm.cpp, decode_attention.cpp), once per "
                   "torch installation: 20-40 s", file=sys.stderr)
         cpp_extension.load(name=name, sources=[str(p) for p in SOURCES if p.suffix == ".cpp"], is_python_module=False,
-                           extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"], verbose=False)
+                           extra_cflags=[*CFLAGS, *flags], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: the model still runs, on oneDNN/MKL
         _why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         return False
@@ -80,9 +83,10 @@ def available() -> bool:
 
 
 def _build_key() -> str:
-    """The source and the torch install it builds against (torch's own cache rebuilds, silently, when either
+    """The source, its flags and the torch install it builds against (torch's own cache rebuilds, silently, when either
     changes; a name of their own makes each build once, and announced)."""
     key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES))
+    key.update(" ".join(CFLAGS + _simd_flags()[1]).encode())
     key.update(f"{torch.__version__}:{Path(torch.__file__).parent}".encode())
     return key.hexdigest()[:12]
 

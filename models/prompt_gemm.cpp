@@ -7,13 +7,16 @@
 // a prompt and the decode steps after it compute with the same numbers. Lanes hold at most 256 pair-sums of at
 // most 2 * 127 * 32767 each (< 2^31), then are added into int64 totals. A call whose rows hold a NaN or an
 // infinity computes in fp32 instead, so they propagate.
-// fp32 and bf16 weights: fp32 products and sums, each output summed over the columns in order in chunks of 256,
-// so a row's result does not depend on its batch either (it is not the decode kernel's order: 4 x 8 lanes).
+// fp32 and bf16 weights: fp32 products and sums in the decode kernel's order (models/row_dot.h: `dot_rows`), so
+// here too a row's result is the decode kernel's bits, whatever the batch: each output's 8 chains (one per column
+// modulo 8) are summed one at a time, each over its columns stored side by side (gemm_layout.h: `chain_major`),
+// then added in dot_rows' order. Against one chain per output (the order before), 0-10% slower.
 //
 // Layout: rows are taken 16 at a time (read in their own dtype, bf16 or fp32) and transposed so that one vector
 // lane holds one row (int8: a 32-bit lane holds a row's two int16 values of a pair of columns), weight rows are
 // widened (int16 or fp32), 48 at a time, and a 16 x 6 block of outputs is 12 vector accumulators
-// (models/gemm_micro.h); 256 steps of the depth of 16 rows (16 KB) stay in L1 while the 48 weight rows pass. Work
+// (models/gemm_micro.h); 256 steps of the depth of 16 rows (int8: 16 KB) stay in L1 while the 48 weight rows pass
+// (fp32: up to 2048 columns, 256 of each chain, at a time, for longer runs of the inner loop). Work
 // items of equal cost (a panel of weight rows against a block of rows; a thread widens a panel once for its
 // consecutive items on it). A finished 16 x 48 block goes to its rows through 8 x 8 transposes
 // (models/gemm_layout.h): written one value at a time, the finish took a sixth of the time at depth 512.
@@ -42,6 +45,7 @@ using moe_cpu::COLS;
 using moe_cpu::ROWS;
 constexpr int64_t PANEL = 48;  // weight rows widened at a time
 constexpr int64_t DEPTH = 256;  // depth steps per pass over a panel (int8: pairs, within int32's range)
+constexpr int64_t FLOAT_DEPTH = 2048;
 
 struct Group {
   int64_t expert, first_row, n_rows, first_block;  // first_block: the group's first block of 16 rows
@@ -53,12 +57,15 @@ struct Int8Kind {
   using Lane = int32_t;
   using Wide = int16_t;
   using Total = int64_t;
+  static constexpr int64_t kPlanes = 1;  // one exact total per output, added into
+  static constexpr int64_t kDepth = DEPTH;
   const int8_t* w;
   const float* scale;
   int64_t out, in, depth;  // depth: pairs of columns
   std::vector<float> x_scale;
 
   int64_t stride() const { return 2 * depth; }
+  int64_t body() const { return depth; }  // depth steps the micro kernel takes: all
   template <typename X>
   bool row(const X* x, int64_t m, Wide* tmp, const Lane** lanes) {
     *lanes = reinterpret_cast<const Lane*>(tmp);
@@ -68,13 +75,14 @@ struct Int8Kind {
     const int8_t* src = w + (e * out + col) * in;
     for (int64_t k = 0; k < in; ++k) dst[k] = src[k];  // vectorized by the compiler
   }
-  void micro(const Lane* A, const Wide* B, int64_t d0, int64_t d1, Total* tot) const {
+  void micro(const Lane* A, const Wide* B, int64_t d0, int64_t d1, int64_t, Total* tot) const {
     moe_cpu::micro_int8(A, B, stride(), d0, d1, tot);
   }
   // The finished outputs, in `fin`: fin[c * 16 + r] for row m0 + r and weight row col0 + c, c < cols, every r
   // (x_scale has 16 values past the last row): scaled_sum, then the weight row's scale in fp32, as the decode
   // kernel finishes.
-  const float* finish(const Total* tot, int64_t m0, int64_t e, int64_t col0, int64_t cols, float* fin) const {
+  const float* finish(const Total* tot, int64_t m0, int64_t e, int64_t col0, int64_t cols, float* fin, const Lane*,
+                      const Wide*) const {
     for (int64_t c = 0; c < cols; ++c) {
       const float w_scale = scale[e * out + col0 + c];
       int64_t r = 0;
@@ -96,10 +104,13 @@ struct FloatKind {
   using Lane = float;
   using Wide = float;
   using Total = float;
+  static constexpr int64_t kPlanes = 8;  // the 8 chains of each output (`moe_cpu::dot_rows`)
+  static constexpr int64_t kDepth = FLOAT_DEPTH;
   const W* w;
   int64_t out, in, depth;  // depth = in
 
   int64_t stride() const { return depth; }
+  int64_t body() const { return in & ~int64_t{7}; }  // the columns the chains take; the rest follow one by one
   bool row(const float* x, int64_t, Wide*, const Lane** lanes) const {
     *lanes = x;  // fp32 rows as they are
     return true;
@@ -110,13 +121,43 @@ struct FloatKind {
     return true;
   }
   void widen(Wide* dst, int64_t e, int64_t col) const {
-    const W* src = w + (e * out + col) * in;
-    for (int64_t k = 0; k < in; ++k) dst[k] = static_cast<float>(src[k]);
+    moe_cpu::widen_chain_major(w + (e * out + col) * in, in, body(), dst);
   }
-  void micro(const Lane* A, const Wide* B, int64_t d0, int64_t d1, Total* tot) const {
-    moe_cpu::micro_float(A, B, stride(), d0, d1, tot);
+  void micro(const Lane* A, const Wide* B, int64_t d0, int64_t d1, int64_t chain, Total* tot) const {
+    moe_cpu::micro_float(A, B, stride(), d0, d1, body(), chain, tot);
   }
-  const float* finish(const Total* tot, int64_t, int64_t, int64_t, int64_t, float*) const { return tot; }
+  // Each output as `dot_rows` finishes it: its 8 chains added ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)), then the
+  // columns past the last multiple of 8 by one multiply-add each (A: the block of rows, B: the panel).
+  const float* finish(const Total* tot, int64_t, int64_t, int64_t, int64_t cols, float* fin, const Lane* A,
+                      const Wide* B) const {
+    const int64_t plane = PANEL * ROWS, chained = body();
+    for (int64_t c = 0; c < cols; ++c) {
+      const float* t = tot + c * ROWS;
+      const Wide* b = B + c * stride();
+      int64_t r = 0;
+#ifdef MOE_MATVEC_AVX2
+      for (; r < ROWS; r += 8) {
+        __m256 s = _mm256_setzero_ps();
+        if (chained > 0) {
+          auto p = [&](int64_t j) { return _mm256_loadu_ps(t + j * plane + r); };
+          s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(p(0), p(4)), _mm256_add_ps(p(2), p(6))),
+                            _mm256_add_ps(_mm256_add_ps(p(1), p(5)), _mm256_add_ps(p(3), p(7))));
+        }
+        for (int64_t k = chained; k < in; ++k) {
+          s = _mm256_fmadd_ps(_mm256_loadu_ps(A + k * ROWS + r), _mm256_set1_ps(b[k]), s);
+        }
+        _mm256_storeu_ps(fin + c * ROWS + r, s);
+      }
+#endif
+      for (; r < ROWS; ++r) {
+        auto p = [&](int64_t j) { return t[j * plane + r]; };
+        float s = chained > 0 ? ((p(0) + p(4)) + (p(2) + p(6))) + ((p(1) + p(5)) + (p(3) + p(7))) : 0.f;
+        for (int64_t k = chained; k < in; ++k) s = moe_cpu::madd(A[k * ROWS + r], b[k], s);
+        fin[c * ROWS + r] = s;
+      }
+    }
+    return fin;
+  }
 };
 
 // x's rows in blocks of 16 per group, transposed (zeros past a group's last row); false if the kind refused a row.
@@ -139,7 +180,7 @@ bool pack(K& kind, const X* x, const std::vector<Group>& groups, int64_t blocks,
           usable[b] = 0;
         }
       }
-      moe_cpu::transpose_rows(rows, kind.depth, A.data() + b * kind.depth * ROWS);
+      moe_cpu::transpose_rows(rows, kind.depth, K::kPlanes == 1 ? 0 : kind.body(), A.data() + b * kind.depth * ROWS);
     }
   });
   return std::find(usable.begin(), usable.end(), 0) == usable.end();
@@ -160,7 +201,7 @@ void run(const K& kind, const std::vector<typename K::Lane>& A, const std::vecto
   const int64_t stride = kind.stride();
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
     std::vector<typename K::Wide> panel(PANEL * stride, 0);  // rows past a short panel's: unused, never stored
-    std::vector<typename K::Total> tot(PANEL * ROWS);
+    std::vector<typename K::Total> tot(K::kPlanes * PANEL * ROWS);
     std::vector<float> fin(PANEL * ROWS);
     int64_t widened_group = -1, widened_col = -1;
     for (int64_t i = i0; i < i1; ++i) {
@@ -172,14 +213,18 @@ void run(const K& kind, const std::vector<typename K::Lane>& A, const std::vecto
         widened_group = it.group, widened_col = it.col0;
       }
       const typename K::Lane* block = A.data() + (g.first_block + it.block) * kind.depth * ROWS;
-      std::fill(tot.begin(), tot.end(), 0);
-      for (int64_t d = 0; d < kind.depth; d += DEPTH) {
-        for (int64_t c0 = 0; c0 < cols; c0 += COLS) {
-          kind.micro(block, panel.data() + c0 * stride, d, std::min(kind.depth, d + DEPTH), tot.data() + c0 * ROWS);
+      if (K::kPlanes == 1) std::fill(tot.begin(), tot.end(), 0);  // int8 adds into its totals; fp32 chains start
+      const int64_t body = kind.body();
+      for (int64_t d = 0; d < body; d += K::kDepth) {
+        for (int64_t j = 0; j < K::kPlanes; ++j) {  // fp32: chain by chain, each over the panel's columns
+          for (int64_t c0 = 0; c0 < cols; c0 += COLS) {
+            kind.micro(block, panel.data() + c0 * stride, d, std::min(body, d + K::kDepth), j,
+                       tot.data() + j * PANEL * ROWS + c0 * ROWS);
+          }
         }
       }
       const int64_t rows = std::min(ROWS, g.n_rows - it.block * ROWS), m0 = g.first_row + it.block * ROWS;
-      const float* done = kind.finish(tot.data(), m0, g.expert, it.col0, cols, fin.data());
+      const float* done = kind.finish(tot.data(), m0, g.expert, it.col0, cols, fin.data(), block, panel.data());
       moe_cpu::store_block(done, rows, cols, kind.out, y + m0 * kind.out + it.col0);
     }
   });

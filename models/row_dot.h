@@ -1,11 +1,12 @@
-// A weight row against an fp32 row, summed in fp32: the decode kernel's fp32/bf16 product (models/matvec.cpp),
-// and the scores and values of a decode step's attention (models/decode_attention.cpp).
+// Weight rows against an fp32 row, summed in fp32: the decode kernel's fp32/bf16 products (`dot_rows`, in the
+// order the prompt kernel sums in too), and the scores and values of a decode step's attention (`dot_float`).
 
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -52,6 +53,58 @@ inline float dot_float(const W* w, const float* x, int64_t in) {
 #endif
   for (; i < in; ++i) s += widen(w[i]) * x[i];  // the tail (or everything, without AVX2)
   return s;
+}
+
+// One multiply-add rounded as the vector kernels round theirs: fused with AVX2 and FMA, else two roundings (the
+// kernels are built with -ffp-contract=off, so the compiler never fuses one on its own: every kernel computes an
+// fp32 product in exactly the operations written).
+inline float madd(float a, float b, float c) {
+#ifdef MOE_MATVEC_AVX2
+  return std::fma(a, b, c);
+#else
+  return c + a * b;
+#endif
+}
+
+// The order of every fp32/bf16 weight product, decode (models/matvec.cpp) and prompt (models/prompt_gemm.cpp)
+// kernels alike, so a row's result is the same bits whichever computes it, whatever its batch:
+// 8 chains, chain j summing the columns k = j, j + 8, j + 16, ... below the last multiple of 8, in order, one
+// multiply-add each from 0; then ((c0 + c4) + (c2 + c6)) + ((c1 + c5) + (c3 + c7)); then the columns past that,
+// in order, one multiply-add each. Here the chains are the lanes of one vector per weight row; R weight rows at a
+// time against one activation row x give R independent chains of multiply-adds, enough to hide their latency.
+// With kAhead > 0 each row also asks for the line kAhead bytes further on every 32 weights (`dot_float` says
+// why): the caller's rows are each the head of a stream of consecutive rows, so that line is the stream's next.
+template <typename W, int kAhead, int R>
+inline void dot_rows(const W* const w[R], const float* x, int64_t in, float* s) {
+  const int64_t body = in & ~int64_t{7};
+#ifdef MOE_MATVEC_AVX2
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= body; i += 32) {
+    for (int r = 0; r < R; ++r) {
+      if constexpr (kAhead > 0) _mm_prefetch(reinterpret_cast<const char*>(w[r] + i) + kAhead, _MM_HINT_T0);
+    }
+    for (int64_t h = i; h < i + 32; h += 8) {
+      const __m256 xv = _mm256_loadu_ps(x + h);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(load8(w[r] + h), xv, acc[r]);
+    }
+  }
+  for (; i < body; i += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + i);
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(load8(w[r] + i), xv, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) s[r] = hsum(acc[r]);
+#else
+  for (int r = 0; r < R; ++r) {
+    float c[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int64_t i = 0; i < body; ++i) c[i & 7] = madd(widen(w[r][i]), x[i], c[i & 7]);
+    s[r] = ((c[0] + c[4]) + (c[2] + c[6])) + ((c[1] + c[5]) + (c[3] + c[7]));
+  }
+#endif
+  for (int64_t i = body; i < in; ++i) {
+    for (int r = 0; r < R; ++r) s[r] = madd(widen(w[r][i]), x[i], s[r]);
+  }
 }
 
 // A contiguous fp32 or bf16 tensor's values as fp32: fp32 read in place, bf16 widened into `buffer` (no aten

@@ -1,7 +1,7 @@
 """The prompt kernel (models/prompt_gemm.cpp). int8: the same bits, row for row, as the decode kernel and as a
 naive emulation of its integer sums; exact sums at any width; NaN and infinity propagate; a block's experts on a
-prompt give each row what a decode step would. fp32 and bf16 weights: fp32 products within rounding of float64,
-a row's result independent of its batch, zeros past the groups."""
+prompt give each row what a decode step would. fp32 and bf16 weights: the decode kernel's bits too (both sum a row in
+one order, models/row_dot.h), within rounding of float64, zeros past the groups."""
 
 from __future__ import annotations
 
@@ -57,17 +57,18 @@ def test_int8_rows_that_are_not_finite_propagate(kernel, bad):
     assert torch.allclose(got[0], w[0].float() @ x[0], rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize(("dtype", "int8"), [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False)])
 @torch.inference_mode()
-def test_a_prompt_through_int8_experts_gives_each_row_its_decode_result():
+def test_a_prompt_through_the_experts_gives_each_row_its_decode_result(dtype, int8):
     torch.manual_seed(0)
     experts = GroupedExperts(64, 96, list(range(4)))
     for p in (experts.w1, experts.w2, experts.w3):
         torch.nn.init.normal_(p, std=0.1)
-    experts.bfloat16()
-    weights.prepare(experts, "auto", int8=True)
+    experts.to(dtype)
+    weights.prepare(experts, "auto", int8=int8)
     assert experts.prompts
     counts = torch.tensor([30, 0, 41, 9])
-    x = torch.randn(80, 64).bfloat16()
+    x = torch.randn(80, 64).to(dtype)
     prompt = experts(x, counts)
     starts = [0, 30, 30, 71]
     for e, first in enumerate(starts):  # each row alone, as a decode step computes it
@@ -77,16 +78,21 @@ def test_a_prompt_through_int8_experts_gives_each_row_its_decode_result():
             assert torch.equal(experts(x[r:r + 1], one)[0], prompt[r])
 
 
-@pytest.mark.parametrize("width", [512, 1792, 33])
+# 512 and 1792: one pass per chain; 4100: three passes over the depth (2048 columns each) and a tail of 4; 33 and 7:
+# a tail, and no chained columns at all.
+@pytest.mark.parametrize("width", [512, 1792, 4100, 33, 7])
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
 @torch.inference_mode()
-def test_float_prompt_products_are_fp32_products_independent_of_the_batch(width, w_dtype):
+def test_float_prompt_products_match_the_decode_kernel_bit_for_bit(width, w_dtype):
+    """Both kernels sum a row in one order (models/row_dot.h), so a row's result does not depend on its batch or on
+    which kernel computes it: a prompt, its decode steps and the same rows on other ranks agree to the last bit."""
     g = torch.Generator().manual_seed(width)
     counts = [17, 0, 40, 13]
     w = torch.randn(4, 101, width, generator=g).to(w_dtype)
     x = torch.randn(sum(counts) + 3, width, generator=g).to(w_dtype)
     got = matvec.prompt_grouped(x, w, torch.tensor(counts))
     assert got.dtype == w_dtype and got[-3:].eq(0).all()
+    assert torch.equal(got, matvec.grouped(x, w, torch.tensor(counts)))
     want = torch.cat([x[a:a + n].double() @ w[e].double().T
                       for e, (a, n) in enumerate(zip([0, 17, 17, 57], counts, strict=True))])
     tol = 2e-6 if w_dtype == torch.float32 else 8e-3  # fp32 sums; bf16: one rounding of the result
