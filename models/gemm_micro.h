@@ -67,43 +67,41 @@ inline void micro_int8(const int32_t* A, const int16_t* B, int64_t stride, int64
 // A: one block of rows, [in][16] fp32; B: COLS weight rows of `stride` fp32.
 inline void micro_float(const float* A, const float* B, int64_t stride, int64_t k0, int64_t k1, int64_t chained,
                         int64_t j, float* t) {
-  {
-    const int64_t p0 = j * (chained / 8) + k0 / 8, p1 = p0 + (k1 - k0) / 8;  // the chain's columns, as stored
+  const int64_t p0 = j * (chained / 8) + k0 / 8, p1 = p0 + (k1 - k0) / 8;  // the chain's columns, as stored
 #ifdef MOE_MATVEC_AVX2
-    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
-           c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    if (k0 > 0) {
-      c00 = _mm256_loadu_ps(t), c01 = _mm256_loadu_ps(t + 8), c10 = _mm256_loadu_ps(t + 16);
-      c11 = _mm256_loadu_ps(t + 24), c20 = _mm256_loadu_ps(t + 32), c21 = _mm256_loadu_ps(t + 40);
-      c30 = _mm256_loadu_ps(t + 48), c31 = _mm256_loadu_ps(t + 56), c40 = _mm256_loadu_ps(t + 64);
-      c41 = _mm256_loadu_ps(t + 72), c50 = _mm256_loadu_ps(t + 80), c51 = _mm256_loadu_ps(t + 88);
-    }
-    const float *b0 = B, *b1 = b0 + stride, *b2 = b1 + stride, *b3 = b2 + stride, *b4 = b3 + stride,
-                *b5 = b4 + stride;
-    for (int64_t k = p0; k < p1; ++k) {
-      const __m256 a0 = _mm256_loadu_ps(A + k * ROWS), a1 = _mm256_loadu_ps(A + k * ROWS + 8);
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
+         c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  if (k0 > 0) {
+    c00 = _mm256_loadu_ps(t), c01 = _mm256_loadu_ps(t + 8), c10 = _mm256_loadu_ps(t + 16);
+    c11 = _mm256_loadu_ps(t + 24), c20 = _mm256_loadu_ps(t + 32), c21 = _mm256_loadu_ps(t + 40);
+    c30 = _mm256_loadu_ps(t + 48), c31 = _mm256_loadu_ps(t + 56), c40 = _mm256_loadu_ps(t + 64);
+    c41 = _mm256_loadu_ps(t + 72), c50 = _mm256_loadu_ps(t + 80), c51 = _mm256_loadu_ps(t + 88);
+  }
+  const float *b0 = B, *b1 = b0 + stride, *b2 = b1 + stride, *b3 = b2 + stride, *b4 = b3 + stride,
+              *b5 = b4 + stride;
+  for (int64_t k = p0; k < p1; ++k) {
+    const __m256 a0 = _mm256_loadu_ps(A + k * ROWS), a1 = _mm256_loadu_ps(A + k * ROWS + 8);
 #define MOE_COL(c0, c1, bc)                           \
   {                                                   \
     const __m256 w = _mm256_broadcast_ss(bc + k);     \
     c0 = _mm256_fmadd_ps(a0, w, c0);                  \
     c1 = _mm256_fmadd_ps(a1, w, c1);                  \
   }
-      MOE_COL(c00, c01, b0) MOE_COL(c10, c11, b1) MOE_COL(c20, c21, b2)
-      MOE_COL(c30, c31, b3) MOE_COL(c40, c41, b4) MOE_COL(c50, c51, b5)
+    MOE_COL(c00, c01, b0) MOE_COL(c10, c11, b1) MOE_COL(c20, c21, b2)
+    MOE_COL(c30, c31, b3) MOE_COL(c40, c41, b4) MOE_COL(c50, c51, b5)
 #undef MOE_COL
-    }
-    const __m256 acc[2 * COLS] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
-    for (int64_t v = 0; v < 2 * COLS; ++v) _mm256_storeu_ps(t + v * 8, acc[v]);
-#else
-    for (int64_t c = 0; c < COLS; ++c) {
-      for (int64_t r = 0; r < ROWS; ++r) {
-        float s = k0 > 0 ? t[c * ROWS + r] : 0.f;
-        for (int64_t k = p0; k < p1; ++k) s = madd(A[k * ROWS + r], B[c * stride + k], s);
-        t[c * ROWS + r] = s;
-      }
-    }
-#endif
   }
+  const __m256 acc[2 * COLS] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
+  for (int64_t v = 0; v < 2 * COLS; ++v) _mm256_storeu_ps(t + v * 8, acc[v]);
+#else
+  for (int64_t c = 0; c < COLS; ++c) {
+    for (int64_t r = 0; r < ROWS; ++r) {
+      float s = k0 > 0 ? t[c * ROWS + r] : 0.f;
+      for (int64_t k = p0; k < p1; ++k) s = madd(A[k * ROWS + r], B[c * stride + k], s);
+      t[c * ROWS + r] = s;
+    }
+  }
+#endif
 }
 
 }  // namespace moe_cpu

@@ -24,7 +24,8 @@
 // 2 threads on the AVX2 EPYC (3.2 GHz), 64-512 rows against in = 512 .. 14336: int8 238-263 GFLOP/s (the inner
 // loop alone, in cache: 1.5 vpmaddwd a cycle, ~300), where oneDNN on the weights widened to fp32 gives 95-141;
 // bf16 148-176 against oneDNN's 132-165 (the widened weights never leave the cache); fp32 145-175 against
-// 142-172.
+// 142-172. Summed in the decode kernel's order (64-512 rows, in = 512 .. 14336, the same day as the order before):
+// bf16 144-170 where the order before gave 157-177, fp32 121-167 where it gave 132-174.
 
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
@@ -45,7 +46,7 @@ using moe_cpu::COLS;
 using moe_cpu::ROWS;
 constexpr int64_t PANEL = 48;  // weight rows widened at a time
 constexpr int64_t DEPTH = 256;  // depth steps per pass over a panel (int8: pairs, within int32's range)
-constexpr int64_t FLOAT_DEPTH = 2048;
+constexpr int64_t FLOAT_DEPTH = 2048;  // fp32 columns per pass: 256 of each chain, 16 KB of a block's rows
 
 struct Group {
   int64_t expert, first_row, n_rows, first_block;  // first_block: the group's first block of 16 rows
@@ -66,6 +67,7 @@ struct Int8Kind {
 
   int64_t stride() const { return 2 * depth; }
   int64_t body() const { return depth; }  // depth steps the micro kernel takes: all
+  int64_t chained() const { return 0; }  // pairs stay in order (gemm_layout.h: `chain_major`)
   template <typename X>
   bool row(const X* x, int64_t m, Wide* tmp, const Lane** lanes) {
     *lanes = reinterpret_cast<const Lane*>(tmp);
@@ -111,6 +113,7 @@ struct FloatKind {
 
   int64_t stride() const { return depth; }
   int64_t body() const { return in & ~int64_t{7}; }  // the columns the chains take; the rest follow one by one
+  int64_t chained() const { return body(); }  // stored chain by chain (gemm_layout.h: `chain_major`)
   bool row(const float* x, int64_t, Wide*, const Lane** lanes) const {
     *lanes = x;  // fp32 rows as they are
     return true;
@@ -121,10 +124,10 @@ struct FloatKind {
     return true;
   }
   void widen(Wide* dst, int64_t e, int64_t col) const {
-    moe_cpu::widen_chain_major(w + (e * out + col) * in, in, body(), dst);
+    moe_cpu::widen_chain_major(w + (e * out + col) * in, in, chained(), dst);
   }
   void micro(const Lane* A, const Wide* B, int64_t d0, int64_t d1, int64_t chain, Total* tot) const {
-    moe_cpu::micro_float(A, B, stride(), d0, d1, body(), chain, tot);
+    moe_cpu::micro_float(A, B, stride(), d0, d1, chained(), chain, tot);
   }
   // Each output as `dot_rows` finishes it: its 8 chains added ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)), then the
   // columns past the last multiple of 8 by one multiply-add each (A: the block of rows, B: the panel).
@@ -180,7 +183,7 @@ bool pack(K& kind, const X* x, const std::vector<Group>& groups, int64_t blocks,
           usable[b] = 0;
         }
       }
-      moe_cpu::transpose_rows(rows, kind.depth, K::kPlanes == 1 ? 0 : kind.body(), A.data() + b * kind.depth * ROWS);
+      moe_cpu::transpose_rows(rows, kind.depth, kind.chained(), A.data() + b * kind.depth * ROWS);
     }
   });
   return std::find(usable.begin(), usable.end(), 0) == usable.end();

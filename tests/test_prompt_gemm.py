@@ -5,11 +5,16 @@ one order, models/row_dot.h), within rounding of float64, zeros past the groups.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from models import matvec, weights
 from models.mixture import GroupedExperts
+from tests.checkpoints import ROOT
 from tests.test_matvec import naive_int8
 
 pytestmark = pytest.mark.skipif(not matvec.prompts(), reason="the prompt kernel needs an AVX2 build")
@@ -123,3 +128,29 @@ def test_prompt_products_refuse_a_scale_for_float_weights_and_need_one_for_int8(
         matvec.prompt_grouped(torch.zeros(2, 8), torch.zeros(1, 4, 8), None, torch.ones(1, 4))
     with pytest.raises(RuntimeError, match="int8 weights need a scale"):
         matvec.prompt_grouped(torch.zeros(2, 8), torch.zeros(1, 4, 8, dtype=torch.int8))
+
+
+GENERIC = """
+import torch
+from torch.utils import cpp_extension
+from models import matvec
+cpp_extension.load(name="moe_matvec_generic_test", sources=[str(p) for p in matvec.SOURCES if p.suffix == ".cpp"],
+                   is_python_module=False, extra_cflags=matvec.CFLAGS, extra_ldflags=["-fopenmp"])
+g = torch.Generator().manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16):
+    for width in (512, 4100, 7):
+        w, x = torch.randn(3, 21, width, generator=g).to(dtype), torch.randn(30, width, generator=g).to(dtype)
+        c = torch.tensor([9, 0, 20])
+        ops = torch.ops.moe_cpu
+        assert torch.equal(ops.grouped_gemm(x, w, c, None), ops.grouped_matvec(x, w, c, None)), (dtype, width)
+print("same bits")
+"""
+
+
+@pytest.mark.slow
+def test_a_build_without_avx2_also_gives_both_kernels_the_same_bits(tmp_path):
+    """CPUs without AVX2 build the plain C++ paths (two roundings per multiply-add, never fused by the compiler):
+    they too must sum every row in dot_rows' order. Built here without -mavx2, in a process of its own."""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", GENERIC], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert done.stdout.strip() == "same bits", done.stderr[-2000:]
