@@ -133,11 +133,12 @@ void run(const Rows& x, const W* w, const float* scale, const std::vector<Group>
       const int64_t first = item % out_features, n = std::min(end - item, out_features - first);
       const int64_t run_rows = (n + 3) / 4;  // runs of this many rows, the last ones shorter
       for (int64_t step = 0; step < run_rows; ++step) {
-        int64_t rows[4];
+        int64_t rows[4];  // of this weight, one from each run
         int k = 0;
-        for (int64_t r = step; r < n; r += run_rows) rows[k++] = g.expert * out_features + first + r;
+        for (int64_t r = step; r < n; r += run_rows) rows[k++] = first + r;
+        const int64_t at = g.expert * out_features;  // the weight's first row among all experts'
         const W* wr[4];
-        for (int r = 0; r < k; ++r) wr[r] = w + rows[r] * in_features;
+        for (int r = 0; r < k; ++r) wr[r] = w + (at + rows[r]) * in_features;
         for (int64_t m = g.first_row; m < g.first_row + g.n_rows; ++m) {
           float v[4];
           if (k == 4) {
@@ -146,8 +147,8 @@ void run(const Rows& x, const W* w, const float* scale, const std::vector<Group>
             for (int r = 0; r < k; ++r) x.template dot<W, 1>(wr + r, m, v + r);
           }
           for (int r = 0; r < k; ++r) {
-            const float out = scale != nullptr ? v[r] * scale[rows[r]] : v[r];
-            y[m * out_features + rows[r] - g.expert * out_features] = static_cast<Out>(out);
+            const float out = scale != nullptr ? v[r] * scale[at + rows[r]] : v[r];
+            y[m * out_features + rows[r]] = static_cast<Out>(out);
           }
         }
       }

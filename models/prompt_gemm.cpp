@@ -142,9 +142,9 @@ struct FloatKind {
       for (; r < ROWS; r += 8) {
         __m256 s = _mm256_setzero_ps();
         if (chained > 0) {
-          auto p = [&](int64_t j) { return _mm256_loadu_ps(t + j * plane + r); };
-          s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(p(0), p(4)), _mm256_add_ps(p(2), p(6))),
-                            _mm256_add_ps(_mm256_add_ps(p(1), p(5)), _mm256_add_ps(p(3), p(7))));
+          __m256 chains[8];
+          for (int64_t j = 0; j < 8; ++j) chains[j] = _mm256_loadu_ps(t + j * plane + r);
+          s = moe_cpu::chains_added(chains);
         }
         for (int64_t k = chained; k < in; ++k) {
           s = _mm256_fmadd_ps(_mm256_loadu_ps(A + k * ROWS + r), _mm256_set1_ps(b[k]), s);
@@ -153,8 +153,9 @@ struct FloatKind {
       }
 #endif
       for (; r < ROWS; ++r) {
-        auto p = [&](int64_t j) { return t[j * plane + r]; };
-        float s = chained > 0 ? ((p(0) + p(4)) + (p(2) + p(6))) + ((p(1) + p(5)) + (p(3) + p(7))) : 0.f;
+        float chains[8];
+        for (int64_t j = 0; j < 8; ++j) chains[j] = t[j * plane + r];
+        float s = chained > 0 ? moe_cpu::chains_added(chains) : 0.f;
         for (int64_t k = chained; k < in; ++k) s = moe_cpu::madd(A[k * ROWS + r], b[k], s);
         fin[c * ROWS + r] = s;
       }

@@ -66,6 +66,18 @@ inline float madd(float a, float b, float c) {
 #endif
 }
 
+// The 8 chains of an output added in `dot_rows`' order (below): `hsum` adds the lanes of one vector so; these add
+// 8 separate values, or 8 vectors lane by lane (the prompt kernel's chains of 8 outputs at once).
+inline float chains_added(const float c[8]) {
+  return ((c[0] + c[4]) + (c[2] + c[6])) + ((c[1] + c[5]) + (c[3] + c[7]));
+}
+#ifdef MOE_MATVEC_AVX2
+inline __m256 chains_added(const __m256 c[8]) {
+  return _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(c[0], c[4]), _mm256_add_ps(c[2], c[6])),
+                       _mm256_add_ps(_mm256_add_ps(c[1], c[5]), _mm256_add_ps(c[3], c[7])));
+}
+#endif
+
 // The order of every fp32/bf16 weight product, decode (models/matvec.cpp) and prompt (models/prompt_gemm.cpp)
 // kernels alike, so a row's result is the same bits whichever computes it, whatever its batch:
 // 8 chains, chain j summing the columns k = j, j + 8, j + 16, ... below the last multiple of 8, in order, one
@@ -99,7 +111,7 @@ inline void dot_rows(const W* const w[R], const float* x, int64_t in, float* s) 
   for (int r = 0; r < R; ++r) {
     float c[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int64_t i = 0; i < body; ++i) c[i & 7] = madd(widen(w[r][i]), x[i], c[i & 7]);
-    s[r] = ((c[0] + c[4]) + (c[2] + c[6])) + ((c[1] + c[5]) + (c[3] + c[7]));
+    s[r] = chains_added(c);
   }
 #endif
   for (int64_t i = body; i < in; ++i) {

@@ -59,7 +59,7 @@ class ReplicatedAttentionEngine(ShardedEngine):
         self.step.everywhere = redundant
         self.step.most = -(-B // self.dist.world_size) * S  # the largest slice's tokens
         for block in self.model.layers.values():  # one rank counts the copies every rank routes alike
-            block.feed_forward.counts_load = self.rank == 0 or not redundant
+            block.feed_forward.counts_load = self.rank == self.head_rank or not redundant
         if redundant:  # rank 0 computes the logits; the others run the blocks for their exchanges
             if self.rank == self.head_rank:
                 return self.model(tokens_BS.to(device), start, caches, padding, last_only=last_only)
