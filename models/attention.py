@@ -45,6 +45,26 @@ def rotary_tables(positions_BS: torch.Tensor, head_dim: int, theta: float, dtype
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+class RotaryTable:
+    """cos/sin of every position the model takes, [max_seq_len, Dh] each, computed once by `rotary_tables` and
+    indexed per call (the same bits: every element goes through the same vectorized kernels either way). A
+    compiled decode step then reads two rows where it computed a power, a cosine and a sine for every element of
+    q and k in every block (60 us of a 2.5 ms int8 step). Built at first use on the model's device and dtype."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+        self.cos: torch.Tensor | None = None  # [max_seq_len, Dh]
+        self.sin: torch.Tensor | None = None
+
+    def __call__(self, positions_BS: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B, 1, S, Dh] of these positions."""
+        if self.cos is None or self.cos.device != positions_BS.device or self.cos.dtype != dtype:
+            every = torch.arange(self.cfg.max_seq_len, device=positions_BS.device)[None]
+            cos, sin = rotary_tables(every, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+            self.cos, self.sin = cos[0, 0], sin[0, 0]
+        return self.cos[positions_BS][:, None], self.sin[positions_BS][:, None]
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -87,13 +107,13 @@ class AttentionContext:
         return self.slot is not None or self.start > 0
 
     @classmethod
-    def build(cls, cfg: ModelConfig, batch: int, seq: int, start: int, padding: Padding | None,
+    def build(cls, cfg: ModelConfig, rotary: RotaryTable, batch: int, seq: int, start: int, padding: Padding | None,
               device: torch.device, dtype: torch.dtype) -> AttentionContext:
         q_slot = torch.arange(start, start + seq, device=device)  # [S]
         padded = padding is not None
         pad = padding.device_B if padded else None
         positions = (q_slot[None, :] - pad[:, None]).clamp(min=0) if padded else q_slot[None, :].expand(batch, -1)
-        cos, sin = rotary_tables(positions, cfg.head_dim, cfg.rope_theta, dtype)
+        cos, sin = rotary(positions, dtype)
         window_cuts = cfg.sliding_window is not None and start + seq > cfg.sliding_window
         if not padded and not window_cuts and (start == 0 or seq == 1):
             # No explicit mask: SDPA's causal kernel skips the masked half of a prompt; one new token sees all.
@@ -111,8 +131,8 @@ class AttentionContext:
         return cls(start=start, cos=cos, sin=sin, mask=mask[:, None])
 
     @classmethod
-    def at_slot(cls, cfg: ModelConfig, batch: int, slot: torch.Tensor, length: int, pad_B: torch.Tensor | None,
-                dtype: torch.dtype) -> AttentionContext:
+    def at_slot(cls, cfg: ModelConfig, rotary: RotaryTable, batch: int, slot: torch.Tensor, length: int,
+                pad_B: torch.Tensor | None, dtype: torch.dtype) -> AttentionContext:
         """One new token per sequence at cache slot `slot` ([1] long, on the device) of a `length`-slot cache:
         the same masks and positions as `build`, over every slot of the cache, from tensors only."""
         k_slot = torch.arange(length, device=slot.device)  # [L]
@@ -124,19 +144,19 @@ class AttentionContext:
         if pad_B is not None:
             positions = (positions - pad_B[:, None]).clamp(min=0)
             mask = mask & (k_slot[None, :] >= pad_B[:, None])  # a decode query is never a padding slot
-        cos, sin = rotary_tables(positions, cfg.head_dim, cfg.rope_theta, dtype)
+        cos, sin = rotary(positions, dtype)
         return cls(start=-1, cos=cos, sin=sin, mask=mask[:, None, None, :], slot=slot)
 
 
-class KVCache(nn.Module):
-    """Preallocated keys and values [B, G, L, Dh] of one attention block."""
+class KVCache:
+    """Preallocated keys and values [B, G, L, Dh] of one attention block. Not a module: a compiled step takes
+    them as inputs, never as the model's state (a frozen step would bake a request's cache into its graph)."""
 
     def __init__(self, batch: int, n_kv_heads: int, length: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device | str) -> None:
-        super().__init__()
         shape = (batch, n_kv_heads, length, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         end = start + k.shape[2]

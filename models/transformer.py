@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.attention import Attention, AttentionContext, KVCache, Padding, RMSNorm
+from models.attention import Attention, AttentionContext, KVCache, Padding, RMSNorm, RotaryTable
 from models.basic import Embedding, Linear
 from models.config import ModelConfig
 from models.mixture import MoEFeedForward
@@ -53,6 +53,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = Linear(cfg.dim, cfg.vocab_size)
+        self.rotary = RotaryTable(cfg)
 
     def make_caches(self, batch: int, length: int) -> dict[str, KVCache]:
         p = self.tok_embeddings.weight if self.tok_embeddings is not None else next(self.parameters())
@@ -76,7 +77,7 @@ class Transformer(nn.Module):
         exchanges and needs no logits)."""
         B, S = tokens_BS.shape
         h = self.tok_embeddings(tokens_BS)
-        ctx = AttentionContext.build(self.cfg, B, S, start, padding, h.device, h.dtype)
+        ctx = AttentionContext.build(self.cfg, self.rotary, B, S, start, padding, h.device, h.dtype)
         rows = real_token_rows(padding, S, start, h.device)
         for name, block in self.layers.items():
             h = block(h, ctx, caches[name] if caches is not None else None, rows)
@@ -89,7 +90,7 @@ class Transformer(nn.Module):
         `pad_B`: each sequence's left padding on the device, or None."""
         h = self.tok_embeddings(tokens_B1)
         length = next(iter(caches.values())).k.shape[2]
-        ctx = AttentionContext.at_slot(self.cfg, tokens_B1.shape[0], slot, length, pad_B, h.dtype)
+        ctx = AttentionContext.at_slot(self.cfg, self.rotary, tokens_B1.shape[0], slot, length, pad_B, h.dtype)
         for name, block in self.layers.items():
             h = block(h, ctx, caches[name])
         return self.output(self.norm(h))[:, -1]

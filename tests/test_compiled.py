@@ -51,6 +51,18 @@ def test_steps_that_skip_the_guards_still_run_their_own_graph():
     assert len(compiled.engine.compiled.seen) == 3  # 2 batch shapes, 1 of them in both routing modes
 
 
+def test_cache_lengths_in_turns_each_run_their_own_graph():
+    """A long request needs a longer cache (another graph); a short one after it gets a new short cache and the
+    short graph again, which must take that cache as an input (a step that had frozen its first cache into its
+    graph recompiled here and failed under the skipped guards)."""
+    eager, compiled = MoEModel.from_pretrained(TRAINED), MoEModel.from_pretrained(TRAINED, compile=True)
+    one = [[1, 45, 312, 9]]
+    for new in (8, 300, 8, 300):  # caches of 256, 512, 256, 512 slots
+        assert compiled.generate(one, max_new_tokens=new, ignore_eos=True) == \
+            eager.generate(one, max_new_tokens=new, ignore_eos=True), new
+        assert next(iter(compiled.engine.compiled.caches.values())).k.shape[2] == (256 if new == 8 else 512)
+
+
 def test_compile_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="cannot trace oneDNN-packed weights"):
         MoEModel.from_pretrained(TRAINED, compile=True, cpu_kernels="onednn")

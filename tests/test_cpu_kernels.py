@@ -130,7 +130,7 @@ def test_loading_converts_each_unit_as_soon_as_it_is_read():
 def test_bf16_attention_runs_in_fp32_where_the_cpu_has_no_bf16_instructions():
     """Where torch's bf16 attention takes its generic path, a bf16 block attends in fp32 (q, k and v widened
     exactly): the same answer as bf16 attention within its rounding, one rounding of the result."""
-    from models.attention import Attention, AttentionContext
+    from models.attention import Attention, AttentionContext, RotaryTable
     from models.config import ModelConfig
 
     cfg = ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96, n_experts=2, top_k=1,
@@ -141,7 +141,7 @@ def test_bf16_attention_runs_in_fp32_where_the_cpu_has_no_bf16_instructions():
     attn.prepare_weights("auto", int8=False)
     assert attn.attend_fp32 == (not cpu_kernels.native_bf16())
     x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
-    ctx = AttentionContext.build(cfg, 2, 5, 0, None, x.device, torch.bfloat16)
+    ctx = AttentionContext.build(cfg, RotaryTable(cfg), 2, 5, 0, None, x.device, torch.bfloat16)
     answers = {}
     for fp32 in (True, False):
         attn.attend_fp32 = fp32

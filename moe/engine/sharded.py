@@ -148,7 +148,8 @@ class ShardedEngine:
         shape = (B, S, cfg.dim)
         device = self.dist.device
         h = self.model.tok_embeddings(tokens_BS.to(device)) if self.rank in p.embed_ranks else None
-        ctx = AttentionContext.build(cfg, B, S, start, padding, device, self.dtype) if self.my_blocks else None
+        ctx = (AttentionContext.build(cfg, self.model.rotary, B, S, start, padding, device, self.dtype)
+               if self.my_blocks else None)
         rows = real_token_rows(padding, S, start, device)
         self.step.most = B * S  # a block's first attention rank brings at most every token; the others none
         mine = self._slice_inputs(ctx, padding, S, start, B)  # for replicated blocks: this rank's rows
