@@ -199,7 +199,10 @@ FEW_COPIES = 64  # a compiled step with at most this many copies groups them by 
 
 def count_per_id(ids_N: torch.Tensor, n: int) -> torch.Tensor:
     """[n] occurrences of each id: a fixed-size scatter_add, so no host sync (bincount's output size needs
-    one on CUDA)."""
+    one on CUDA). A compiled step with few ids compares them with every id instead: elementwise, so inductor fuses
+    it with its neighbours, where a scatter is a library call (two per block and step)."""
+    if torch.compiler.is_compiling() and ids_N.numel() <= FEW_COPIES:
+        return (ids_N[:, None] == torch.arange(n, device=ids_N.device)[None, :]).sum(0)
     return torch.zeros(n, dtype=torch.long, device=ids_N.device).scatter_add_(0, ids_N, torch.ones_like(ids_N))
 
 

@@ -5,6 +5,7 @@ several ranks)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from moe import MoEModel
 from tests.checkpoints import SHIPPED, TRAINED
@@ -28,6 +29,8 @@ def test_compiled_decode_gives_the_eager_tokens_and_compiles_once():
     assert counters["stats"]["unique_graphs"] == graphs
     sampled = dict(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=3)
     assert compiled.generate(["And God said"], **sampled) == eager.generate(["And God said"], **sampled)
+    # The compiled step counts its copies per expert by comparisons, eager by a scatter: the same loads.
+    assert torch.equal(compiled.expert_load().counts, eager.expert_load().counts)
 
 
 def test_steps_that_skip_the_guards_still_run_their_own_graph():
