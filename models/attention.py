@@ -194,9 +194,11 @@ class Attention(nn.Module):
             self.attend_fp32 = w.dtype == torch.bfloat16 and w.device.type == "cpu" and not cpu_kernels.native_bf16()
             # One query against the cache, in fp32: 31 -> 11 us a block (a bf16 cache: 52 -> 11) for a step of
             # `small` on 256 cache slots, 100 of them filled (torch's SDPA calls a matrix product per head and
-            # reads the unfilled slots too; with a bf16 cache it first copies the whole cache to fp32).
-            fp32 = w.dtype == torch.float32 or self.attend_fp32
-            self.decode_kernel = fp32 and weights.streams(w, kernels)  # our kernels asked for, and built
+            # reads the unfilled slots too; with a bf16 cache it first copies the whole cache to fp32). Where the
+            # CPU has bf16 instructions, torch's bf16 SDPA calls MKL's generic bf16 product on an AMD CPU: 15% of
+            # a compiled bf16 step of `small` (2 threads, an EPYC with AVX-512 bf16), so bf16 decodes with it too.
+            streamed = w.dtype in (torch.float32, torch.bfloat16)
+            self.decode_kernel = streamed and weights.streams(w, kernels)  # our kernels asked for, and built
             linears = (self.wq, self.wk, self.wv)
             self.wqkv, parts = weights.fused([lin.weight for lin in linears], kernels, int8)
             for lin, part in zip(linears, parts, strict=True):
