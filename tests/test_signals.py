@@ -7,11 +7,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
 
+from models import matvec
 from tests.checkpoints import ROOT, TRAINED
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -25,21 +27,33 @@ def descendants(pid: int) -> list[int]:
 
 @pytest.mark.parametrize("gpus", ["1", "2"])
 def test_sigint_mid_generation_ends_with_one_line_and_status_130(gpus, tmp_path):
+    matvec.available()  # built here if this is their first use: the command's stderr is then only its own
     prompts = tmp_path / "prompts.txt"  # a batch, so that generating takes a while
     prompts.write_text("\n".join(f"Chapter {i}. It is a truth universally acknowledged" for i in range(48)))
     proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "generate.py"), "--ckpt", str(TRAINED),
                              "--gpus", gpus, "--prompt-file", str(prompts), "--max-new-tokens", "100000", "--quiet"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    errors: list[str] = []  # stderr read as it comes: a full pipe would block the command, not the test
+    reader = threading.Thread(target=lambda: errors.extend(proc.stderr), daemon=True)
+    reader.start()
     while not proc.stdout.readline().startswith("settings:"):  # generation starts
-        assert proc.poll() is None, proc.stderr.read()
+        assert proc.poll() is None, "".join(errors)
     time.sleep(1.0)
     assert proc.poll() is None  # still generating
     ranks = descendants(proc.pid)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
-    code = proc.wait(timeout=30)
+    try:
+        code = proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pids = ",".join(map(str, [proc.pid, *ranks]))
+        stuck = subprocess.run(["ps", "-o", "pid,stat,wchan:20,etime,args", "-p", pids], capture_output=True,
+                               text=True).stdout
+        proc.kill()
+        pytest.fail(f"no exit 30 s after Ctrl-C; stderr so far: {''.join(errors)[-2000:]!r}; processes:\n{stuck}")
     took = time.monotonic() - t0
-    err = proc.stderr.read()
+    reader.join(timeout=10)
+    err = "".join(errors)
     assert code == 130 and err == "interrupted\n", err
     assert took < 2, took
     time.sleep(0.5)
