@@ -66,6 +66,23 @@ def test_cache_lengths_in_turns_each_run_their_own_graph():
         assert next(iter(compiled.engine.compiled.caches.values())).k.shape[2] == (256 if new == 8 else 512)
 
 
+def test_requests_under_inference_mode_or_no_grad_reuse_the_graph():
+    """A notebook wraps calls in `torch.inference_mode()` or `torch.no_grad()`, or not: the step's inputs are its
+    own tensors whatever the caller's mode, so each request takes the graph the first one compiled (a caller's
+    inference tensor used to need another graph, which the skipped guards refused with a RuntimeError)."""
+    from torch._dynamo.utils import counters
+
+    eager, compiled = MoEModel.from_pretrained(TRAINED), MoEModel.from_pretrained(TRAINED, compile=True)
+    want = eager.generate(PROMPTS, max_new_tokens=8, ignore_eos=True)
+    assert compiled.generate(PROMPTS, max_new_tokens=8, ignore_eos=True) == want
+    graphs = counters["stats"]["unique_graphs"]
+    for mode in (torch.inference_mode, torch.no_grad, torch.inference_mode):
+        with mode():
+            assert compiled.generate(PROMPTS, max_new_tokens=8, ignore_eos=True) == want, mode
+    assert compiled.generate(PROMPTS, max_new_tokens=8, ignore_eos=True) == want
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_compile_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="cannot trace oneDNN-packed weights"):
         MoEModel.from_pretrained(TRAINED, compile=True, cpu_kernels="onednn")

@@ -62,6 +62,7 @@ class CompiledDecode:
         self.device = model.norm.weight.device
         self.step = compile_step(model.decode_step, self.device, isolate=True)
         self.slot = torch.zeros(1, dtype=torch.long, device=self.device)  # the step's cache slot, set in place
+        self.inputs: dict[str, torch.Tensor] = {}  # the step's tokens and padding, copied in (`own`)
         self.caches: dict[str, KVCache] | None = None
         self.routers = [m for m in model.modules() if isinstance(m, Router)]
         self.seen: set[tuple] = set()  # call signatures that went through every guard
@@ -73,7 +74,8 @@ class CompiledDecode:
         current = next(iter(self.caches.values())).k.shape if self.caches else None
         if current is None or current[0] != batch or current[2] != length:
             self.caches = None  # free the old caches before allocating new ones
-            self.caches = self.model.make_caches(batch, length)
+            with torch.inference_mode():  # whatever the caller's mode (`own` says why)
+                self.caches = self.model.make_caches(batch, length)
             if self.device.type == "cuda":  # written in place inside the CUDA graph: their addresses never change
                 for cache in self.caches.values():
                     torch._dynamo.mark_static_address(cache.k)
@@ -88,8 +90,22 @@ class CompiledDecode:
         return (tokens_B1.shape, tokens_B1.dtype, tokens_B1.device, cache.shape, cache.dtype, pad, modes,
                 torch.is_inference_mode_enabled())
 
+    def own(self, name: str, value: torch.Tensor | None) -> torch.Tensor | None:
+        """`value` copied into an inference tensor of this step's own (steps run in inference mode). Dynamo tells an
+        inference tensor from another one, so a caller's tensor would send a request made under
+        `torch.inference_mode()` after one made without it (or the reverse) to a new graph, which the skipped
+        guards refuse."""
+        if value is None:
+            return None
+        mine = self.inputs.get(name)
+        if mine is None or mine.shape != value.shape or mine.dtype != value.dtype:
+            with torch.inference_mode():
+                mine = self.inputs[name] = torch.empty_like(value, device=self.device)
+        return mine.copy_(value)
+
     def __call__(self, tokens_B1: torch.Tensor, start: int, pad_B: torch.Tensor | None) -> torch.Tensor:
         self.slot.fill_(start)
+        tokens_B1, pad_B = self.own("tokens", tokens_B1), self.own("pad", pad_B)
         key = self.signature(tokens_B1, pad_B)
         if key in self.seen and SKIPS_GUARDS:
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
