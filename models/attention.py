@@ -197,8 +197,8 @@ class Attention(nn.Module):
             # reads the unfilled slots too; with a bf16 cache it first copies the whole cache to fp32). Where the
             # CPU has bf16 instructions, torch's bf16 SDPA calls MKL's generic bf16 product on an AMD CPU: 15% of
             # a compiled bf16 step of `small` (2 threads, an EPYC with AVX-512 bf16), so bf16 decodes with it too.
-            streamed = w.dtype in (torch.float32, torch.bfloat16)
-            self.decode_kernel = streamed and weights.streams(w, kernels)  # our kernels asked for, and built
+            kernel_dtype = w.dtype in (torch.float32, torch.bfloat16)  # what `matvec.decode_attention` takes
+            self.decode_kernel = kernel_dtype and weights.streams(w, kernels)  # our kernels asked for, and built
             linears = (self.wq, self.wk, self.wv)
             self.wqkv, parts = weights.fused([lin.weight for lin in linears], kernels, int8)
             for lin, part in zip(linears, parts, strict=True):
