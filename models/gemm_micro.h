@@ -1,7 +1,9 @@
-// The inner loops of the prompt products (models/prompt_gemm.cpp): a block of 16 activation rows against 6
-// widened weight rows, over a range of the depth, into 16 x 6 totals (fp32: one of their 8 chains). One block row
-// per vector lane, a weight value broadcast to all lanes: 12 accumulators in registers (named: with an array GCC
-// kept them in memory, at a third of the speed).
+// The inner loops of the prompt products (models/prompt_gemm.cpp): a block of 16 activation rows against COLS
+// widened weight rows, over a range of the depth, into 16 x COLS totals (fp32: one of their 8 chains). One block
+// row per vector lane, a weight value broadcast to all lanes, every accumulator in a register of its own (named:
+// with an array GCC kept them in memory, at a third of the speed). AVX2: 6 weight rows, 12 accumulators of 8
+// lanes. AVX-512: 12 weight rows, 12 accumulators of 16 lanes, twice the products per instruction; each lane
+// takes the same multiply-adds in the same order, so both builds give the same bits.
 
 #pragma once
 
@@ -9,15 +11,77 @@
 
 #include "row_dot.h"
 
+#if defined(MOE_MATVEC_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define MOE_GEMM_AVX512 1
+#endif
+
 namespace moe_cpu {
 
-constexpr int64_t ROWS = 16;  // activation rows per block: two vectors of 8 lanes
-constexpr int64_t COLS = 6;   // weight rows per call: 12 accumulators
+constexpr int64_t ROWS = 16;  // activation rows per block: two vectors of 8 lanes, or one of 16
+#ifdef MOE_GEMM_AVX512
+constexpr int64_t COLS = 12;  // weight rows per call: 12 accumulators of 16 lanes
+#else
+constexpr int64_t COLS = 6;  // weight rows per call: 12 accumulators of 8 lanes
+#endif
+
+#ifdef MOE_GEMM_AVX512
+// The 12 accumulators of a 512-bit call: X(i) for each weight row i.
+#define MOE_EACH_COL(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+
+// The 12 weight rows of a call, read at one column at a time through 3 pointers (rows 0-3, 4-7, 8-11) that move
+// on together, row i at (i % 4) * `bytes` past its group's pointer: with a pointer per row, GCC ran out of general
+// registers and reloaded pointers from the stack inside the inner loop.
+template <typename T>
+struct WeightColumn {
+  const char *g0, *g1, *g2;
+  int64_t bytes;  // from one weight row to the next
+  WeightColumn(const T* row0, int64_t stride, int64_t first)
+      : g0(reinterpret_cast<const char*>(row0 + first)), g1(g0 + 4 * stride * sizeof(T)),
+        g2(g1 + 4 * stride * sizeof(T)), bytes(stride * sizeof(T)) {}
+  T at(int i) const {
+    const char* g = i < 4 ? g0 : i < 8 ? g1 : g2;
+    return *reinterpret_cast<const T*>(g + (i % 4) * bytes);
+  }
+  void next() { g0 += sizeof(T), g1 += sizeof(T), g2 += sizeof(T); }
+};
+
+// 16 lanes of pair-sums (int32) added into their int64 totals.
+inline void add_to_totals(__m512i acc, int64_t* t) {
+  __m512i* v = reinterpret_cast<__m512i*>(t);
+  _mm512_storeu_si512(v, _mm512_add_epi64(_mm512_loadu_si512(v), _mm512_cvtepi32_epi64(_mm512_castsi512_si256(acc))));
+  _mm512_storeu_si512(v + 1, _mm512_add_epi64(_mm512_loadu_si512(v + 1),
+                                              _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(acc, 1))));
+}
+
+// One pair of int16 products added into a lane: VNNI's fused instruction where the CPU has it (the same integers:
+// both wrap modulo 2^32, and the lanes never reach it, prompt_gemm.cpp says why).
+inline __m512i pair_add(__m512i acc, __m512i a, __m512i w) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpwssd_epi32(acc, a, w);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, w));
+#endif
+}
+#endif
 
 // tot[c * 16 + r] += sum over pairs j in [j0, j1) of A[j][r] . B[c][2j, 2j+1], for c < COLS, r < ROWS.
 // A: one block of rows, [pairs][16] int32 (two int16 each); B: COLS widened weight rows of `stride` int16.
 inline void micro_int8(const int32_t* A, const int16_t* B, int64_t stride, int64_t j0, int64_t j1, int64_t* tot) {
-#ifdef MOE_MATVEC_AVX2
+#if defined(MOE_GEMM_AVX512)
+#define MOE_START(i) __m512i c##i = _mm512_setzero_si512();
+  MOE_EACH_COL(MOE_START)
+#undef MOE_START
+  WeightColumn<int32_t> b(reinterpret_cast<const int32_t*>(B), stride / 2, j0);  // a row: stride / 2 pairs
+  for (int64_t j = j0; j < j1; ++j, b.next()) {
+    const __m512i a = _mm512_loadu_si512(A + j * ROWS);
+#define MOE_PAIR(i) c##i = pair_add(c##i, a, _mm512_set1_epi32(b.at(i)));
+    MOE_EACH_COL(MOE_PAIR)
+#undef MOE_PAIR
+  }
+#define MOE_ADD(i) add_to_totals(c##i, tot + (i) * ROWS);
+  MOE_EACH_COL(MOE_ADD)
+#undef MOE_ADD
+#elif defined(MOE_MATVEC_AVX2)
   __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
           c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
   const int32_t* b0 = reinterpret_cast<const int32_t*>(B);
@@ -59,7 +123,7 @@ inline void micro_int8(const int32_t* A, const int16_t* B, int64_t stride, int64
 #endif
 }
 
-// Chain j of `dot_rows` (models/row_dot.h) for a 16 x 6 block of outputs, continued over columns [k0, k1)
+// Chain j of `dot_rows` (models/row_dot.h) for a 16 x COLS block of outputs, continued over columns [k0, k1)
 // (multiples of 8, below `chained`): tot[c * 16 + r] for output (c, r), started from 0 when k0 is 0, takes
 // A[k][r] * B[c][k] for k = k0 + j, k0 + j + 8, ... by one multiply-add each. A and B hold these columns chain by
 // chain (gemm_layout.h: `chain_major`), so the chain's are read contiguously, with the 12 accumulators in
@@ -68,7 +132,21 @@ inline void micro_int8(const int32_t* A, const int16_t* B, int64_t stride, int64
 inline void micro_float(const float* A, const float* B, int64_t stride, int64_t k0, int64_t k1, int64_t chained,
                         int64_t j, float* t) {
   const int64_t p0 = j * (chained / 8) + k0 / 8, p1 = p0 + (k1 - k0) / 8;  // the chain's columns, as stored
-#ifdef MOE_MATVEC_AVX2
+#if defined(MOE_GEMM_AVX512)
+#define MOE_START(i) __m512 c##i = k0 > 0 ? _mm512_loadu_ps(t + (i) * ROWS) : _mm512_setzero_ps();
+  MOE_EACH_COL(MOE_START)
+#undef MOE_START
+  WeightColumn<float> b(B, stride, p0);
+  for (int64_t k = p0; k < p1; ++k, b.next()) {
+    const __m512 a = _mm512_loadu_ps(A + k * ROWS);
+#define MOE_COL(i) c##i = _mm512_fmadd_ps(a, _mm512_set1_ps(b.at(i)), c##i);
+    MOE_EACH_COL(MOE_COL)
+#undef MOE_COL
+  }
+#define MOE_STORE(i) _mm512_storeu_ps(t + (i) * ROWS, c##i);
+  MOE_EACH_COL(MOE_STORE)
+#undef MOE_STORE
+#elif defined(MOE_MATVEC_AVX2)
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
          c40 = c00, c41 = c00, c50 = c00, c51 = c00;
   if (k0 > 0) {

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import sys
 from pathlib import Path
 
@@ -49,12 +50,37 @@ CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 _why = ""  # why the kernel is unavailable, once `available()` said so
 
 
+AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+AVX512 = [*AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+# MOE_CPU_KERNELS=avx2 (or generic) builds for less than the CPU runs, as ATEN_CPU_CAPABILITY does for torch's:
+# every build gives the same bits, so it is for comparing them, never needed for an answer.
+FLAVOURS = ("generic", "avx2", "avx512")
+
+
+@functools.cache
 def _simd_flags() -> tuple[str, list[str]]:
-    """Flags for what this CPU runs, named in the build's name so machines sharing a cache never mix builds."""
+    """Flags for what this CPU runs, named in the build's name so machines sharing a cache never mix builds. AVX-512
+    reaches only the prompt kernel's inner loops (`gemm_micro.h`); the decode loops stay 256-bit, as fast where they
+    read at the memory's rate (docs/benchmarks.md)."""
     capability = torch.backends.cpu.get_cpu_capability()
-    if capability in ("AVX2", "AVX512"):
-        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
-    return "generic", []
+    flavour = {"AVX512": "avx512", "AVX2": "avx2"}.get(capability, "generic")
+    asked = os.environ.get("MOE_CPU_KERNELS", "").lower()
+    if asked and asked not in FLAVOURS:
+        raise ValueError(f"MOE_CPU_KERNELS={asked!r}: one of {', '.join(FLAVOURS)}")
+    if asked and FLAVOURS.index(asked) < FLAVOURS.index(flavour):
+        flavour = asked
+    if flavour == "avx512":
+        vnni = "avx512_vnni" in _cpu_flags()
+        return ("avx512vnni", [*AVX512, "-mavx512vnni"]) if vnni else ("avx512", AVX512)
+    return flavour, AVX2 if flavour == "avx2" else []
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {word for line in text.splitlines() if line.startswith("flags") for word in line.split(":", 1)[1].split()}
 
 
 @functools.cache
@@ -65,10 +91,10 @@ def available() -> bool:
     if sys.platform != "linux":
         _why = f"not built on {sys.platform}"
         return False
+    flavour, flags = _simd_flags()  # a bad MOE_CPU_KERNELS is the user's error, raised, not a fallback
     try:
         from torch.utils import cpp_extension
 
-        flavour, flags = _simd_flags()
         name = f"moe_matvec_{flavour}_{_build_key()}"
         if not _built(cpp_extension, name):
             print("building the CPU kernels (models/matvec.cpp, prompt_gemm.cpp, decode_attention.cpp), once per "
@@ -99,9 +125,9 @@ def _built(cpp_extension, name: str) -> bool:
 
 
 def prompts() -> bool:
-    """Prompts run `prompt_grouped`: the kernels are built with AVX2 (without it the prompt kernel is plain C++,
-    slower than oneDNN)."""
-    return available() and _simd_flags()[0] == "avx2"
+    """Prompts run `prompt_grouped`: the kernels are built with AVX2 or AVX-512 (without, the prompt kernel is plain
+    C++, slower than oneDNN)."""
+    return available() and _simd_flags()[0] != "generic"
 
 
 def why_unavailable() -> str:

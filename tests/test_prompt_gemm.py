@@ -133,27 +133,60 @@ def test_prompt_products_refuse_a_scale_for_float_weights_and_need_one_for_int8(
         matvec.prompt_grouped(torch.zeros(2, 8), torch.zeros(1, 4, 8, dtype=torch.int8))
 
 
-GENERIC = """
+OTHER_BUILD = """
+import hashlib
 import torch
-from torch.utils import cpp_extension
 from models import matvec
-cpp_extension.load(name="moe_matvec_generic_test", sources=[str(p) for p in matvec.SOURCES if p.suffix == ".cpp"],
-                   is_python_module=False, extra_cflags=matvec.CFLAGS, extra_ldflags=["-fopenmp"])
+assert matvec.available(), matvec.why_unavailable()
+print(matvec._simd_flags()[0])
 g = torch.Generator().manual_seed(0)
-for dtype in (torch.float32, torch.bfloat16):
-    for width in (512, 4100, 7):
+ops = torch.ops.moe_cpu
+c = torch.tensor([9, 0, 20])
+for width in (512, 4100, 7):
+    for dtype in (torch.float32, torch.bfloat16):
         w, x = torch.randn(3, 21, width, generator=g).to(dtype), torch.randn(30, width, generator=g).to(dtype)
-        c = torch.tensor([9, 0, 20])
-        ops = torch.ops.moe_cpu
-        assert torch.equal(ops.grouped_gemm(x, w, c, None), ops.grouped_matvec(x, w, c, None)), (dtype, width)
-print("same bits")
+        got = ops.grouped_gemm(x, w, c, None)
+        assert torch.equal(got, ops.grouped_matvec(x, w, c, None)), (dtype, width)
+        print(dtype, width, hashlib.sha256(got.float().numpy().tobytes()).hexdigest())
+    w, s = torch.randint(-127, 128, (3, 21, width), generator=g, dtype=torch.int8), torch.rand(3, 21, generator=g)
+    got = ops.grouped_gemm(x, w, c, s)
+    assert torch.equal(got, ops.grouped_matvec(x, w, c, s)), ("int8", width)
+    print("int8", width, hashlib.sha256(got.float().numpy().tobytes()).hexdigest())
 """
 
 
+def _build_run(flavour: str | None, tmp_path) -> list[str]:
+    """OTHER_BUILD's lines from `flavour`'s build in `tmp_path`, or from this CPU's own build (cached) if None."""
+    env = {k: v for k, v in os.environ.items() if k != "MOE_CPU_KERNELS"}
+    if flavour is not None:
+        env.update(TORCH_EXTENSIONS_DIR=str(tmp_path), MOE_CPU_KERNELS=flavour)
+    done = subprocess.run([sys.executable, "-c", OTHER_BUILD], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.splitlines()
+
+
 @pytest.mark.slow
-def test_a_build_without_avx2_also_gives_both_kernels_the_same_bits(tmp_path):
-    """CPUs without AVX2 build the plain C++ paths (two roundings per multiply-add, never fused by the compiler):
-    they too must sum every row in dot_rows' order. Built here without -mavx2, in a process of its own."""
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", GENERIC], capture_output=True, text=True, env=env, cwd=ROOT)
-    assert done.stdout.strip() == "same bits", done.stderr[-2000:]
+@pytest.mark.parametrize("flavour", ["generic", "avx2"])
+def test_every_build_gives_both_kernels_the_same_bits_as_this_one(flavour, tmp_path):
+    """A build for less than this CPU runs (`MOE_CPU_KERNELS`; built in a process of its own) sums every row in
+    dot_rows' order too: its prompt and decode kernels agree, and its int8 results are this build's. With AVX2 its
+    fp32 and bf16 results are this build's too (AVX2 or AVX-512: 6 or 12 weight rows per inner loop, 8 or 16 lanes,
+    the same multiply-adds per lane); without, two roundings per multiply-add (never fused by the compiler) give
+    other fp32 bits."""
+    own = matvec._simd_flags()[0]
+    if flavour == own:
+        pytest.skip(f"this CPU's own build is {flavour}: the other tests run it")
+    other, mine = _build_run(flavour, tmp_path), _build_run(None, tmp_path)
+    assert (other[0], mine[0]) == (flavour, own)
+    same = [line for line in mine[1:] if flavour == "avx2" or line.startswith("int8")]
+    assert len(same) >= 3 and set(same) <= set(other[1:])
+
+
+def test_an_unknown_kernel_build_is_refused_in_one_line(monkeypatch):
+    matvec._simd_flags.cache_clear()
+    monkeypatch.setenv("MOE_CPU_KERNELS", "avx1024")
+    try:
+        with pytest.raises(ValueError, match="MOE_CPU_KERNELS='avx1024': one of generic, avx2, avx512"):
+            matvec._simd_flags()
+    finally:
+        matvec._simd_flags.cache_clear()
