@@ -51,7 +51,7 @@ _why = ""  # why the kernel is unavailable, once `available()` said so
 
 
 AVX2 = ["-mavx2", "-mfma", "-mf16c"]
-AVX512 = [*AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+AVX512 = [*AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=256"]
 # MOE_CPU_KERNELS=avx2 (or generic) builds for less than the CPU runs, as ATEN_CPU_CAPABILITY does for torch's:
 # every build gives the same bits, so it is for comparing them, never needed for an answer.
 FLAVOURS = ("generic", "avx2", "avx512")
@@ -60,8 +60,9 @@ FLAVOURS = ("generic", "avx2", "avx512")
 @functools.cache
 def _simd_flags() -> tuple[str, list[str]]:
     """Flags for what this CPU runs, named in the build's name so machines sharing a cache never mix builds. AVX-512
-    reaches only the prompt kernel's inner loops (`gemm_micro.h`); the decode loops stay 256-bit, as fast where they
-    read at the memory's rate (docs/benchmarks.md)."""
+    reaches only the prompt kernel's inner loops (`gemm_micro.h`, written for it): with the compiler's own loops kept
+    256-bit (-mprefer-vector-width=256), the decode kernels compile as in the AVX2 build, and they read at the
+    memory's rate with it (a 512-bit decode loop measured no faster, docs/benchmarks.md)."""
     capability = torch.backends.cpu.get_cpu_capability()
     flavour = {"AVX512": "avx512", "AVX2": "avx2"}.get(capability, "generic")
     asked = os.environ.get("MOE_CPU_KERNELS", "").lower()
