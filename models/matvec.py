@@ -1,6 +1,6 @@
 """The CPU kernels of our own: grouped matrix-vector products that read each weight once (`matvec.cpp`, decode
-steps), grouped matrix products for prompts (`prompt_gemm.cpp`), and a decode step's attention
-(`decode_attention.cpp`).
+steps), grouped matrix products for prompts (`prompt_gemm.cpp`), a decode step's attention (`decode_attention.cpp`)
+and, built with AVX-512, a prompt's (`prompt_attention.cpp`).
 
 Why a kernel of our own: a decode step is bound by reading weights, and none of torch's CPU products streams them
 at the memory's read rate for a few rows. Measured on a 2-core AMD EPYC (AVX2), one row against 40 distinct
@@ -17,6 +17,7 @@ int16 against its largest value and the products are summed exactly in integers 
 (2 threads on the AVX2 EPYC, 128 rows against 3584 x 512: int8 263 GFLOP/s, bf16 174, fp32 173, where oneDNN
 gives 127-149; `prompt_gemm.cpp` has the figures).
 `decode_attention(q, k, v, mask)`: SDPA of one query per sequence, in fp32, reading only the visible cache slots.
+`prompt_attention(q, k, v)`: causal SDPA of a prompt from the first slot, in fp32 (`prompt_attention_runs`).
 `available()` builds the kernels on first use (torch.utils.cpp_extension: a C++ compiler and ninja; 20-40 s,
 once per torch installation, kept in torch's extension cache) and says whether it can run; without it the
 weights fall back to oneDNN or torch's products.
@@ -34,10 +35,10 @@ import torch
 
 # The decode kernel, the prompt kernel, the activation rounding both use for int8, the fp32 row product the decode
 # kernel and the decode attention share, the prompt kernel's inner loops and its moves between rows and blocks, a
-# decode step's attention.
+# decode step's attention, a prompt's.
 SOURCES = [Path(__file__).with_name(name)
            for name in ("matvec.cpp", "prompt_gemm.cpp", "int8_rows.h", "row_dot.h", "gemm_micro.h", "gemm_layout.h",
-                        "decode_attention.cpp")]
+                        "decode_attention.cpp", "prompt_attention.cpp")]
 # Up to this many rows per weight the kernel runs (a decode step, small batches); more rows (prompts) are bound
 # by arithmetic and go to the prompt kernel (or oneDNN, MKL where it does not run).
 MAX_ROWS = 8
@@ -98,8 +99,8 @@ def available() -> bool:
 
         name = f"moe_matvec_{flavour}_{_build_key()}"
         if not _built(cpp_extension, name):
-            print("building the CPU kernels (models/matvec.cpp, prompt_gemm.cpp, decode_attention.cpp), once per "
-                  "torch installation: 20-40 s", file=sys.stderr)
+            print("building the CPU kernels (models/matvec.cpp, prompt_gemm.cpp, decode_attention.cpp, "
+                  "prompt_attention.cpp), once per torch installation: 20-40 s", file=sys.stderr)
         cpp_extension.load(name=name, sources=[str(p) for p in SOURCES if p.suffix == ".cpp"], is_python_module=False,
                            extra_cflags=[*CFLAGS, *flags], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: the model still runs, on oneDNN/MKL
@@ -131,6 +132,12 @@ def prompts() -> bool:
     return available() and _simd_flags()[0] != "generic"
 
 
+def prompt_attention_runs() -> bool:
+    """A prompt's causal attention runs `prompt_attention`: the kernels are built with AVX-512 (elsewhere torch's
+    SDPA, whose products are faster than a 256-bit kernel of ours would be)."""
+    return available() and _simd_flags()[0].startswith("avx512")
+
+
 def why_unavailable() -> str:
     return _why
 
@@ -144,6 +151,11 @@ def _register_fake() -> None:
     @torch.library.register_fake("moe_cpu::grouped_gemm")
     def _(x, w, counts, scale):
         return x.new_empty((x.shape[0], w.shape[1]))
+
+    @torch.library.register_fake("moe_cpu::prompt_attention")
+    def _(q, k, v):
+        B, H, S, D = q.shape
+        return q.new_empty((B, S, H, D)).transpose(1, 2)
 
     @torch.library.register_fake("moe_cpu::decode_attention")
     def _(q, k, v, mask):
@@ -173,3 +185,9 @@ def prompt_grouped(x_ND: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tens
                    scale_EO: torch.Tensor | None = None) -> torch.Tensor:
     """`grouped` for many rows (prompts); for int8 weights the same result, row for row, bit for bit."""
     return torch.ops.moe_cpu.grouped_gemm(x_ND, w_EOI, counts_E, scale_EO)
+
+
+def prompt_attention(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA of a prompt from the first cache slot (no padding), in fp32, heads grouped over the key heads;
+    [B, H, S, D] in q's dtype, a view of a [B, S, H, D] tensor (`prompt_attention.cpp`)."""
+    return torch.ops.moe_cpu.prompt_attention(q_BHSD, k_BGSD, v_BGSD)

@@ -1,0 +1,91 @@
+"""A prompt's causal attention kernel (models/prompt_attention.cpp, AVX-512 builds): torch's causal SDPA within fp32
+rounding (bf16: one rounding of the result), for grouped heads, prompts that are not a multiple of its tiles or
+chunks, and strided inputs as the model passes them; and the model's prompts run it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models import matvec, weights
+from models.attention import Attention, AttentionContext, RotaryTable
+from models.config import ModelConfig
+
+pytestmark = pytest.mark.skipif(not matvec.prompt_attention_runs(), reason="the prompt attention needs AVX-512")
+
+
+def causal_reference(q, k, v):
+    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True)
+
+
+# (B, H, G, S, D): the bench model's block; batch 2, no grouping, a short tile; one prompt shorter than a tile;
+# several chunks of 64 keys and a partial last tile; one key head for all.
+SHAPES = [(1, 8, 2, 512, 64), (2, 4, 4, 37, 16), (1, 8, 2, 5, 128), (1, 4, 1, 300, 32)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_prompt_attention_is_causal_sdpa(shape, dtype):
+    B, H, G, S, D = shape
+    g = torch.Generator().manual_seed(S)
+    # As the model passes them: q a view of [B, S, H, D], k a view of a longer cache, v contiguous.
+    q = torch.randn(B, S, H, D, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(B, G, S + 9, D, generator=g).to(dtype)[:, :, :S]
+    v = torch.randn(B, G, S, D, generator=g).to(dtype)
+    got = matvec.prompt_attention(q, k, v)
+    want = causal_reference(q, k, v)
+    assert got.dtype == dtype and got.shape == (B, H, S, D)
+    assert got.transpose(1, 2).is_contiguous()  # the model's reshape to [B, S, H * D] is a view
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
+    else:  # the fp32 result rounded once to bf16: within one bf16 step of the exact value
+        torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-6)
+
+
+@torch.inference_mode()
+def test_a_query_sees_the_same_keys_whatever_follows_it():
+    """Chunks of keys start at 0 whatever the prompt's length, so a prompt's first 100 queries give the same bits
+    as the 100-token prompt alone."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 300, 64, generator=g) for _ in range(3))
+    whole = matvec.prompt_attention(q, k, v)
+    head = matvec.prompt_attention(q[:, :, :100], k[:, :, :100], v[:, :, :100])
+    assert torch.equal(whole[:, :, :100], head)
+
+
+def test_prompt_attention_refuses_what_it_does_not_compute():
+    q, k = torch.zeros(1, 6, 8, 64), torch.zeros(1, 4, 8, 64)
+    with pytest.raises(RuntimeError, match=r"q \[B, H, S, D\], k and v \[B, G, S, D\]"):
+        matvec.prompt_attention(q, k, k)  # 4 key heads do not divide 6 query heads
+    with pytest.raises(RuntimeError, match="all fp32 or all bf16"):
+        matvec.prompt_attention(q.bfloat16(), k[:, :2], k[:, :2])
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        matvec.prompt_attention(q[..., :24], k[:, :2, :, :24], k[:, :2, :, :24])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_a_prompt_through_an_attention_block_runs_the_kernel(dtype, monkeypatch):
+    cfg = ModelConfig(dim=128, n_layers=1, n_heads=8, n_kv_heads=2, head_dim=16, hidden_dim=64, vocab_size=32,
+                      n_experts=2, top_k=1)
+    torch.manual_seed(0)
+    block = Attention(cfg)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    block.to(dtype)
+    weights.prepare(block, "auto")
+    assert block.prompt_kernel
+    x = torch.randn(1, 70, cfg.dim).to(dtype)
+    ctx = AttentionContext.build(cfg, RotaryTable(cfg), 1, 70, 0, None, x.device, dtype)
+    assert ctx.is_causal
+    calls = []
+    kernel = matvec.prompt_attention
+    monkeypatch.setattr(matvec, "prompt_attention", lambda *a: calls.append(1) or kernel(*a))
+    got = block(x, ctx, None)
+    block.prompt_kernel = False  # torch's SDPA
+    want = block(x, ctx, None)
+    assert calls == [1]
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
