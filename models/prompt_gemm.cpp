@@ -76,6 +76,8 @@ struct Int8Kind {
     *lanes = reinterpret_cast<const Lane*>(tmp);
     return moe_cpu::quantize_row(x, in, tmp, &x_scale[m]);  // tmp's last value stays 0 when `in` is odd
   }
+  const void* rows(int64_t e, int64_t col) const { return w + (e * out + col) * in; }  // as stored
+  int64_t row_bytes() const { return in; }
   void widen(Wide* dst, int64_t e, int64_t col) const {
     const int8_t* src = w + (e * out + col) * in;
     for (int64_t k = 0; k < in; ++k) dst[k] = src[k];  // vectorized by the compiler
@@ -126,6 +128,8 @@ struct FloatKind {
     *lanes = tmp;
     return true;
   }
+  const void* rows(int64_t e, int64_t col) const { return w + (e * out + col) * in; }  // as stored
+  int64_t row_bytes() const { return in * static_cast<int64_t>(sizeof(W)); }
   void widen(Wide* dst, int64_t e, int64_t col) const {
     moe_cpu::widen_chain_major(w + (e * out + col) * in, in, chained(), dst);
   }
@@ -197,6 +201,21 @@ struct Item {
   int64_t group, col0, block;  // rows of `group` in its block `block` against weight rows col0 .. col0 + 47
 };
 
+// The next panel's weight rows, asked for (into L2) a few cache lines before each inner call while this panel's
+// items compute: else the widening waits on memory while the multiply-add units idle (an eighth of an expert
+// product at 128 rows an expert, by perf).
+struct Ahead {
+  const char *next = nullptr, *end = nullptr;
+  int64_t lines = 0;  // per inner call
+  void start(const void* rows, int64_t bytes, int64_t calls) {
+    calls = std::max<int64_t>(calls, 1);  // none where the depth has no chained columns (fp32, in < 8)
+    next = static_cast<const char*>(rows), end = next + bytes, lines = (bytes / 64 + calls) / calls;
+  }
+  void some() {
+    for (int64_t l = 0; l < lines && next < end; ++l, next += 64) __builtin_prefetch(next, 0, 2);
+  }
+};
+
 template <typename K, typename Out>
 void run(const K& kind, const std::vector<typename K::Lane>& A, const std::vector<Group>& groups, Out* y) {
   std::vector<Item> items;
@@ -211,6 +230,7 @@ void run(const K& kind, const std::vector<typename K::Lane>& A, const std::vecto
     std::vector<typename K::Total> tot(K::kPlanes * PANEL * ROWS);
     std::vector<float> fin(PANEL * ROWS);
     int64_t widened_group = -1, widened_col = -1;
+    Ahead ahead;
     for (int64_t i = i0; i < i1; ++i) {
       const Item& it = items[i];
       const Group& g = groups[it.group];
@@ -218,6 +238,14 @@ void run(const K& kind, const std::vector<typename K::Lane>& A, const std::vecto
       if (it.group != widened_group || it.col0 != widened_col) {
         for (int64_t c = 0; c < cols; ++c) kind.widen(panel.data() + c * stride, g.expert, it.col0 + c);
         widened_group = it.group, widened_col = it.col0;
+        int64_t j = i + 1;  // this thread's next item on another panel
+        while (j < i1 && items[j].group == it.group && items[j].col0 == it.col0) ++j;
+        if (j < i1) {
+          const Item& nx = items[j];
+          const int64_t calls = (j - i) * ((kind.body() + K::kDepth - 1) / K::kDepth) * K::kPlanes * (PANEL / COLS);
+          const int64_t bytes = std::min(PANEL, kind.out - nx.col0) * kind.row_bytes();
+          ahead.start(kind.rows(groups[nx.group].expert, nx.col0), bytes, calls);
+        }
       }
       const typename K::Lane* block = A.data() + (g.first_block + it.block) * kind.depth * ROWS;
       if (K::kPlanes == 1) std::fill(tot.begin(), tot.end(), 0);  // int8 adds into its totals; fp32 chains start
@@ -225,6 +253,7 @@ void run(const K& kind, const std::vector<typename K::Lane>& A, const std::vecto
       for (int64_t d = 0; d < body; d += K::kDepth) {
         for (int64_t j = 0; j < K::kPlanes; ++j) {  // fp32: chain by chain, each over the panel's columns
           for (int64_t c0 = 0; c0 < cols; c0 += COLS) {
+            ahead.some();
             kind.micro(block, panel.data() + c0 * stride, d, std::min(body, d + K::kDepth), j,
                        tot.data() + j * PANEL * ROWS + c0 * ROWS);
           }
