@@ -112,7 +112,12 @@ class GroupedExperts(nn.Module):
         experts = range(len(self.expert_ids))
         if fmt in (weights.Dense, weights.Streamed):  # stacked once, [El, 2F, D]; each expert's kernel is a view
             self.stacks = (torch.cat([w1, w3], dim=1), w2)
-            self.kernels = [(fmt(self.stacks[0][e]), fmt(w2[e])) for e in experts]
+            # One expert at a time (`forward`, where prompts do not run the prompt kernel: bf16 on a CPU with bf16
+            # instructions), its rows take the streaming kernel up to the grouped call's limit, as they would in it:
+            # a block whose copies a gathered step on N ranks runs one by one (its rows padded past that limit)
+            # gives 1 rank's bits, where oneDNN's products from 9 rows on did not.
+            limit = {"max_rows": matvec.EXPERT_MAX_ROWS} if fmt is weights.Streamed else {}
+            self.kernels = [(fmt(self.stacks[0][e], **limit), fmt(w2[e], **limit)) for e in experts]
             self.streamed = fmt is weights.Streamed
             self.prompts = self.streamed and weights.prompt_kernel(w1)
             self.offsets_on_device = w1.device.type == "cuda" and w1.dtype == torch.bfloat16  # _grouped_mm's case

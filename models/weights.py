@@ -69,13 +69,15 @@ class Streamed(LinearWeight):
     oneDNN from the plain weight (0-35% slower than its packed layout from 64 rows on, the price of holding one
     copy), or, bf16 without those instructions, widened to fp32 first (`cpu_kernels.widened`)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.weight, self.out_features = weight.detach().contiguous(), weight.shape[0]
+    def __init__(self, weight: torch.Tensor, max_rows: int = matvec.MAX_ROWS) -> None:
+        """`max_rows`: up to this many rows the streaming kernel runs (an expert's: as many as its block's grouped
+        call takes, so the expert gives a row the same bits alone or grouped, whichever path its rank takes)."""
+        self.weight, self.out_features, self.max_rows = weight.detach().contiguous(), weight.shape[0], max_rows
         self.prompts, self.onednn = prompt_kernel(self.weight), cpu_kernels.can_pack(self.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if matvec.takes(x2.shape[0]):
+        if matvec.takes(x2.shape[0], self.max_rows):
             out = matvec.grouped(x2, self.weight[None])
         elif self.prompts:
             out = matvec.prompt_grouped(x2, self.weight[None])

@@ -130,3 +130,18 @@ def test_each_rank_holds_only_its_tensors(reference):
     full = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     tied = cfg.vocab_size * cfg.dim * 4 if cfg.tie_embeddings and plan.embed_rank != plan.head_rank else 0
     assert abs(sum(bytes_read) - tied - full) < 64 * 1024  # headers are the only difference
+
+
+def test_bf16_ranks_that_run_their_experts_one_by_one_give_the_one_rank_answer(tmp_path):
+    """A gathered step brings every rank's rows to every rank, so past the grouped call's rows (32) a rank runs its
+    experts one by one while 1 rank, with half the rows, runs them grouped. Where bf16 prompts do not run the prompt
+    kernel (a CPU with bf16 instructions), an expert with more than 8 rows then ran oneDNN: other bits than 1
+    rank's streaming kernel. One prompt of 16 tokens, 2 experts a token of 2: 32 copies on 1 rank, 64 gathered on
+    2, 16 rows an expert; products wide enough that fp32 sums in another order round to other bf16 values."""
+    cfg = tiny_config(n_layers=2, n_experts=2, top_k=2, dim=512, hidden_dim=1792, head_dim=64)
+    path = write_checkpoint(tmp_path / "ckpt", cfg, seed=5)
+    ids = torch.randint(3, 128, (1, 16), generator=torch.Generator().manual_seed(1))
+    with MoEModel.from_pretrained(path, dtype="bfloat16") as one:
+        want = one(ids)
+    with MoEModel.from_pretrained(path, dtype="bfloat16", gpus=2, exchange="gather") as model:
+        assert_same_logits(model(ids), want, top_k=2)
