@@ -25,6 +25,17 @@ def descendants(pid: int) -> list[int]:
     return kids + [g for k in kids for g in descendants(k)]
 
 
+def blocked_on(pid: int) -> str:
+    """The system call a process waits in (Linux: number, then arguments; a write's first is its fd) and where its
+    fds 0-2 lead, to tell which pipe a stuck process writes to."""
+    try:
+        call = open(f"/proc/{pid}/syscall").read().split()
+        fds = {n: os.readlink(f"/proc/{pid}/fd/{n}") for n in range(3)}
+    except OSError as exc:
+        return f"{pid}: {exc}\n"
+    return f"{pid}: syscall {call[:3]}, fds {fds}\n"
+
+
 @pytest.mark.parametrize("gpus", ["1", "2"])
 def test_sigint_mid_generation_ends_with_one_line_and_status_130(gpus, tmp_path):
     matvec.available()  # built here if this is their first use: the command's stderr is then only its own
@@ -38,6 +49,10 @@ def test_sigint_mid_generation_ends_with_one_line_and_status_130(gpus, tmp_path)
     reader.start()
     while not proc.stdout.readline().startswith("settings:"):  # generation starts
         assert proc.poll() is None, "".join(errors)
+    # stdout drained too, as a terminal drains it: the completions printed so far can pass a pipe's 64 KiB, and a
+    # command blocked writing them (or flushing them at exit) cannot end (seen: wait channel anon_pipe_write).
+    printed: list[str] = []
+    threading.Thread(target=lambda: printed.extend(proc.stdout), daemon=True).start()
     time.sleep(1.0)
     assert proc.poll() is None  # still generating
     ranks = descendants(proc.pid)
@@ -48,7 +63,7 @@ def test_sigint_mid_generation_ends_with_one_line_and_status_130(gpus, tmp_path)
     except subprocess.TimeoutExpired:
         pids = ",".join(map(str, [proc.pid, *ranks]))
         stuck = subprocess.run(["ps", "-o", "pid,stat,wchan:20,etime,args", "-p", pids], capture_output=True,
-                               text=True).stdout
+                               text=True).stdout + "".join(blocked_on(p) for p in [proc.pid, *ranks])
         proc.kill()
         pytest.fail(f"no exit 30 s after Ctrl-C; stderr so far: {''.join(errors)[-2000:]!r}; processes:\n{stuck}")
     took = time.monotonic() - t0
