@@ -41,16 +41,19 @@ def test_sigint_mid_generation_ends_with_one_line_and_status_130(gpus, tmp_path)
     matvec.available()  # built here if this is their first use: the command's stderr is then only its own
     prompts = tmp_path / "prompts.txt"  # a batch, so that generating takes a while
     prompts.write_text("\n".join(f"Chapter {i}. It is a truth universally acknowledged" for i in range(48)))
+    # Ctrl-C reaches the command as from a terminal: a shell starts a background job (`.ci/run ... &`) with SIGINT
+    # ignored, every process it starts inherits that, and Python then never turns SIGINT into KeyboardInterrupt (the
+    # command ran to the end, and blocked writing its completions to an unread pipe).
     proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "generate.py"), "--ckpt", str(TRAINED),
                              "--gpus", gpus, "--prompt-file", str(prompts), "--max-new-tokens", "100000", "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     errors: list[str] = []  # stderr read as it comes: a full pipe would block the command, not the test
     reader = threading.Thread(target=lambda: errors.extend(proc.stderr), daemon=True)
     reader.start()
     while not proc.stdout.readline().startswith("settings:"):  # generation starts
         assert proc.poll() is None, "".join(errors)
-    # stdout drained too, as a terminal drains it: the completions printed so far can pass a pipe's 64 KiB, and a
-    # command blocked writing them (or flushing them at exit) cannot end (seen: wait channel anon_pipe_write).
+    # stdout drained too, as a terminal drains it: a command blocked writing to a full pipe could not end.
     printed: list[str] = []
     threading.Thread(target=lambda: printed.extend(proc.stdout), daemon=True).start()
     time.sleep(1.0)
