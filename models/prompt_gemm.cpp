@@ -76,10 +76,10 @@ struct Int8Kind {
     *lanes = reinterpret_cast<const Lane*>(tmp);
     return moe_cpu::quantize_row(x, in, tmp, &x_scale[m]);  // tmp's last value stays 0 when `in` is odd
   }
-  const void* rows(int64_t e, int64_t col) const { return w + (e * out + col) * in; }  // as stored
+  const int8_t* rows(int64_t e, int64_t col) const { return w + (e * out + col) * in; }  // as stored
   int64_t row_bytes() const { return in; }
   void widen(Wide* dst, int64_t e, int64_t col) const {
-    const int8_t* src = w + (e * out + col) * in;
+    const int8_t* src = rows(e, col);
     for (int64_t k = 0; k < in; ++k) dst[k] = src[k];  // vectorized by the compiler
   }
   void micro(const Lane* A, const Wide* B, int64_t d0, int64_t d1, int64_t, Total* tot) const {
@@ -128,10 +128,10 @@ struct FloatKind {
     *lanes = tmp;
     return true;
   }
-  const void* rows(int64_t e, int64_t col) const { return w + (e * out + col) * in; }  // as stored
+  const W* rows(int64_t e, int64_t col) const { return w + (e * out + col) * in; }  // as stored
   int64_t row_bytes() const { return in * static_cast<int64_t>(sizeof(W)); }
   void widen(Wide* dst, int64_t e, int64_t col) const {
-    moe_cpu::widen_chain_major(w + (e * out + col) * in, in, chained(), dst);
+    moe_cpu::widen_chain_major(rows(e, col), in, chained(), dst);
   }
   void micro(const Lane* A, const Wide* B, int64_t d0, int64_t d1, int64_t chain, Total* tot) const {
     moe_cpu::micro_float(A, B, stride(), d0, d1, chained(), chain, tot);

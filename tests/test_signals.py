@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ def blocked_on(pid: int) -> str:
     """The system call a process waits in (Linux: number, then arguments; a write's first is its fd) and where its
     fds 0-2 lead, to tell which pipe a stuck process writes to."""
     try:
-        call = open(f"/proc/{pid}/syscall").read().split()
+        call = Path(f"/proc/{pid}/syscall").read_text().split()
         fds = {n: os.readlink(f"/proc/{pid}/fd/{n}") for n in range(3)}
     except OSError as exc:
         return f"{pid}: {exc}\n"
