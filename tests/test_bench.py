@@ -57,9 +57,9 @@ def test_layouts_measured_in_turns_give_step_times_and_the_one_rank_tokens():
 
 
 @pytest.mark.multiprocess
-def test_a_collective_is_timed_idle_and_between_products():
+def test_a_collective_is_timed_idle_and_between_products_sleeping_and_polling():
     cost = collective_cost(2, 64, product_mb=1, calls=5)
-    for case in ("idle", "working"):
+    for case in ("idle", "working", "idle polled", "working polled"):
         assert 0 < cost[case]["median"] <= cost[case]["p90"] < 5, cost
 
 

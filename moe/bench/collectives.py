@@ -133,10 +133,11 @@ def _count_on_rank(rank: int, world_size: int, port: int, path: str, dtype: str,
 
 
 def collective_cost(world_size: int, dim: int, product_mb: int = 16, calls: int = 300) -> dict:
-    """What one decode-step collective costs between `world_size` rank processes of one thread each: the
-    all-gather of a [1, dim] fp32 row (what a lone sequence's block sums), timed on rank 0 with the ranks idle and
-    with an equal fp32 product of `product_mb` MB on every rank before each call (as in a step, where a rank that
-    finishes first waits for the others). Seconds: {"idle"|"working": {"median", "mean", "p90"}}."""
+    """What one decode-step collective costs between `world_size` rank processes of one thread each, pinned as rank
+    processes are (`moe.workers.rank.keep_to_share`): the all-gather of a [1, dim] fp32 row (what a lone
+    sequence's block sums), timed on rank 0 with the ranks idle and with an equal fp32 product of `product_mb` MB
+    on every rank before each call (as in a step), each waited for by sleeping and by polling
+    (`DistContext.poll`). Seconds: {"idle"|"working"|"idle polled"|"working polled": {"median", "mean", "p90"}}."""
     from moe.workers.group import run_ranks
 
     with tempfile.TemporaryDirectory() as out:
@@ -145,29 +146,33 @@ def collective_cost(world_size: int, dim: int, product_mb: int = 16, calls: int 
 
 
 def _cost_on_rank(rank: int, world_size: int, port: int, dim: int, product_mb: int, calls: int, out: str) -> None:
+    import dataclasses
     import statistics
     import time
 
     import torch
 
     from moe.parallel.distributed import init_process_group
+    from moe.workers.rank import keep_to_share
 
     torch.set_num_threads(1)
-    dist = init_process_group(rank, world_size, "127.0.0.1", port)
+    own_cores = keep_to_share(rank, world_size, 1)
+    sleeping = init_process_group(rank, world_size, "127.0.0.1", port)
     x = torch.randn(1, dim)
     side = int((product_mb * 2**20 / 4) ** 0.5)
     w, v = torch.randn(side, side), torch.randn(side)
     result = {}
-    for name, work in (("idle", 0), ("working", 1)):
-        spent = []
-        for _ in range(calls):
-            for _ in range(work):
-                w @ v
-            t = time.perf_counter()
-            dist.all_gather(x)
-            spent.append(time.perf_counter() - t)
-        spent.sort()
-        result[name] = {"median": statistics.median(spent), "mean": statistics.fmean(spent),
-                        "p90": spent[int(0.9 * len(spent))]}
+    for dist, polled in ((sleeping, ""), (dataclasses.replace(sleeping, poll=own_cores), " polled")):
+        for name, work in (("idle", 0), ("working", 1)):
+            spent = []
+            for _ in range(calls):
+                for _ in range(work):
+                    w @ v
+                t = time.perf_counter()
+                dist.all_gather(x)
+                spent.append(time.perf_counter() - t)
+            spent.sort()
+            result[name + polled] = {"median": statistics.median(spent), "mean": statistics.fmean(spent),
+                                     "p90": spent[int(0.9 * len(spent))]}
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy()
+    sleeping.destroy()

@@ -206,11 +206,15 @@ def print_collective_cost(gpus: int, dim: int) -> None:
     from moe.bench.collectives import collective_cost
 
     cost = collective_cost(gpus, dim)
-    idle, working = (cost[k] for k in ("idle", "working"))
-    print(f"{gpus} ranks, one all-gather of a [1, {dim}] fp32 row (a lone sequence's block sum), a thread per rank: "
-          f"idle median {idle['median'] * 1e3:.2f} / mean {idle['mean'] * 1e3:.2f} ms; after an equal 16 MB "
-          f"product on every rank median {working['median'] * 1e3:.2f} / mean {working['mean'] * 1e3:.2f} / p90 "
-          f"{working['p90'] * 1e3:.2f} ms (the ranks drift apart and the first waits)")
+
+    def spread(case: str) -> str:
+        c = cost[case]
+        return f"median {c['median'] * 1e3:.2f} / mean {c['mean'] * 1e3:.2f} / p90 {c['p90'] * 1e3:.2f} ms"
+
+    print(f"{gpus} ranks, one all-gather of a [1, {dim}] fp32 row (a lone sequence's block sum), a thread per rank, "
+          f"idle / after an equal 16 MB product on every rank: waited for by sleeping {spread('idle')} / "
+          f"{spread('working')}; by polling (rank processes with cores of their own) {spread('idle polled')} / "
+          f"{spread('working polled')}")
 
 
 def print_comparisons(rows: dict, gpus: int, cfg) -> None:

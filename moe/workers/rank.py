@@ -7,6 +7,7 @@ torchrun no rank process exists: `MoEModel` builds the same engine with `load_sh
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
@@ -77,13 +78,24 @@ def cpu_share(rank: int, world_size: int) -> set[int]:
     return {cores[rank % len(cores)]}
 
 
+def keep_to_share(rank: int, world_size: int, threads: int) -> bool:
+    """Pin this CPU rank to its `cpu_share` (before its process group, so gloo's threads start there too), unless
+    asked for more threads than the share has (they would spin-wait). True if the cores are this rank's alone,
+    where waiting for a collective by polling costs no other rank anything (`DistContext.poll`)."""
+    share = cpu_share(rank, world_size)
+    if world_size == 1 or threads > len(share):
+        return False
+    alone = world_size <= len(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, share)
+    return alone
+
+
 def worker_main(conn, rank: int, world_size: int, port: int, threads: int, spec: ShardSpec) -> None:
     torch.set_num_threads(threads)
     try:
+        own_cores = spec.device == "cpu" and keep_to_share(rank, world_size, threads)
         dist = init_process_group(rank, world_size, "127.0.0.1", port, spec.device, timeout_s=spec.timeout_s)
-        share = cpu_share(rank, world_size)
-        if dist.device.type == "cpu" and world_size > 1 and threads <= len(share):
-            os.sched_setaffinity(0, share)  # not when asked for more threads than cores: they would spin-wait
+        dist = dataclasses.replace(dist, poll=own_cores)
         baseline = peak_memory_mib(dist.device)  # the process before any weight is read
         engine, stats = load_shard(spec, dist)
         conn.send(("ok", READY, load_report(engine.model, stats, baseline, dist.device, dist.backend)))

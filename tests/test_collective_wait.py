@@ -1,0 +1,88 @@
+"""Waiting for a collective by polling (`DistContext.poll`, rank processes with cores of their own): the same
+answers as sleeping in it, the same error at the group's timeout (never a hang), and only where the cores are the
+rank's alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import faulthandler
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe.parallel.distributed import init_process_group
+from moe.workers.group import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+TIMEOUT_S = 3.0
+
+
+def _rank_values(rank: int, world_size: int, port: int, out: str) -> None:
+    """Every collective the engines use, polled and sleeping, with the answers written down; then rank 1 stays away
+    from a collective for longer than the timeout, and rank 0 says how long its polled wait took to fail."""
+    faulthandler.dump_traceback_later(TIMEOUT_S + 30, exit=True)  # a wait that never ends fails the test
+    sleeping = init_process_group(rank, world_size, "127.0.0.1", port, timeout_s=TIMEOUT_S)
+    answers = {}
+    for dist in (sleeping, dataclasses.replace(sleeping, poll=True)):
+        x = torch.arange(6, dtype=torch.float32).reshape(2, 3) + 10 * rank
+        splits = [1, 2] if rank == 0 else [2, 1]  # rows to (and from) rank 0, rank 1
+        got = {"all_gather": dist.all_gather(x), "reduce_scatter": dist.reduce_scatter(x),
+               "all_reduce": dist.all_reduce(x.clone()), "broadcast": dist.broadcast(x.clone(), 1),
+               "all_to_all": dist.all_to_all(torch.empty(3, 3), torch.cat([x, x[:1]]), splits, splits),
+               "gather": dist.gather(x, 0)}
+        answers["polled" if dist.poll else "sleeping"] = {
+            k: None if v is None else [t.tolist() for t in v] if isinstance(v, list) else v.tolist()
+            for k, v in got.items()}
+    if rank == 1:
+        time.sleep(TIMEOUT_S + 5)  # away from the next collective: rank 0's wait must fail, not spin on
+    else:
+        start = time.perf_counter()
+        try:
+            dataclasses.replace(sleeping, poll=True).all_gather(torch.zeros(1, 3))
+            answers["timeout"] = "returned"
+        except Exception as e:  # gloo's timeout error
+            answers["timeout"] = [type(e).__name__, time.perf_counter() - start]
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(answers))
+    os._exit(0)  # the group is broken past the timeout: no teardown to wait on
+
+
+def test_polled_collectives_give_the_sleeping_answers_and_fail_at_the_timeout(tmp_path):
+    run_ranks(_rank_values, 2, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        assert r["polled"] == r["sleeping"]
+        assert r["sleeping"]["all_gather"] == ranks[0]["sleeping"]["all_gather"]
+    assert ranks[0]["sleeping"]["all_reduce"] == [[10.0, 12.0, 14.0], [16.0, 18.0, 20.0]]
+    kind, waited = ranks[0]["timeout"]
+    assert TIMEOUT_S - 0.5 < waited < TIMEOUT_S + 4, ranks[0]["timeout"]
+
+
+PROBE = """
+import json, os, sys
+from moe.workers.rank import keep_to_share
+cores = sorted(os.sched_getaffinity(0))[:2]
+result = []
+for rank, world_size, threads in json.loads(sys.argv[1]):
+    os.sched_setaffinity(0, cores)  # a 2-core machine
+    polls = keep_to_share(rank, world_size, threads)
+    result.append([polls, sorted(os.sched_getaffinity(0)) == [cores[rank % 2]]])
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_ranks_poll_only_on_cores_of_their_own():
+    cases = [(0, 2, 1), (1, 2, 1), (0, 4, 1), (3, 4, 1), (0, 2, 2)]
+    out = subprocess.run([sys.executable, "-c", PROBE, json.dumps(cases)], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == [
+        [True, True], [True, True],  # a core each: pinned, and polling
+        [False, True], [False, True],  # 4 ranks on 2 cores: pinned, sharing a core, so sleeping in collectives
+        [False, False],  # more threads than its share: neither
+    ]
