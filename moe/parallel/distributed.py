@@ -34,7 +34,7 @@ class DistContext:
     backend: str  # "nccl", "gloo", or "none" for one rank without a process group
     groups: dict = field(default_factory=dict, compare=False, repr=False)  # ranks -> process group (make_groups)
     # Wait for a gloo collective by polling it (yielding the core between polls) instead of sleeping in it: for a
-    # rank with cores of its own (`moe.workers.rank.cpu_share`), where a sleeping core is one the host may give
+    # rank with cores of its own (`moe.workers.rank.keep_to_share`), where a sleeping core is one the host may give
     # away, and waking it took milliseconds (`_finish` says more).
     poll: bool = field(default=False, compare=False)
 
