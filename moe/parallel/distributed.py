@@ -200,13 +200,15 @@ def single_process(device: str | torch.device = "cpu") -> DistContext:
 
 
 def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int, kind: str = "cpu",
-                       local_rank: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext:
-    """Join a group whose ranks were started here (all on this machine, the device kind chosen by the parent)."""
+                       local_rank: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                       poll: bool = False) -> DistContext:
+    """Join a group whose ranks were started here (all on this machine, the device kind chosen by the parent);
+    `poll`: see `DistContext.poll`."""
     device = _bind(kind, local_rank if local_rank is not None else rank)
     dist.init_process_group(backend_for(kind), init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=device if kind == "cuda" else None)
-    return DistContext(rank, world_size, device, backend_for(kind))
+    return DistContext(rank, world_size, device, backend_for(kind), poll=poll)
 
 
 def _bind(kind: str, local_rank: int) -> torch.device:

@@ -7,7 +7,6 @@ torchrun no rank process exists: `MoEModel` builds the same engine with `load_sh
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import threading
@@ -94,8 +93,8 @@ def worker_main(conn, rank: int, world_size: int, port: int, threads: int, spec:
     torch.set_num_threads(threads)
     try:
         own_cores = spec.device == "cpu" and keep_to_share(rank, world_size, threads)
-        dist = init_process_group(rank, world_size, "127.0.0.1", port, spec.device, timeout_s=spec.timeout_s)
-        dist = dataclasses.replace(dist, poll=own_cores)
+        dist = init_process_group(rank, world_size, "127.0.0.1", port, spec.device, timeout_s=spec.timeout_s,
+                                  poll=own_cores)
         baseline = peak_memory_mib(dist.device)  # the process before any weight is read
         engine, stats = load_shard(spec, dist)
         conn.send(("ok", READY, load_report(engine.model, stats, baseline, dist.device, dist.backend)))
