@@ -88,12 +88,17 @@ class Transformer(nn.Module):
         """Logits [B, V] of one new token per sequence at cache slot `slot` ([1] long, on the device), with every
         shape the same at every step (`AttentionContext.at_slot`): what `torch.compile` and CUDA graphs take.
         `pad_B`: each sequence's left padding on the device, or None."""
+        return self.output(self.norm(self.decode_hidden(tokens_B1, slot, caches, pad_B)))[:, -1]
+
+    def decode_hidden(self, tokens_B1: torch.Tensor, slot: torch.Tensor, caches: dict[str, KVCache],
+                      pad_B: torch.Tensor | None) -> torch.Tensor:
+        """`decode_step` without the head: the last block's output [B, 1, D] (a rank that needs no logits)."""
         h = self.tok_embeddings(tokens_B1)
         length = next(iter(caches.values())).k.shape[2]
         ctx = AttentionContext.at_slot(self.cfg, self.rotary, tokens_B1.shape[0], slot, length, pad_B, h.dtype)
         for name, block in self.layers.items():
             h = block(h, ctx, caches[name])
-        return self.output(self.norm(h))[:, -1]
+        return h
 
 
 def real_token_rows(padding: Padding | None, seq: int, start: int, device: torch.device) -> torch.Tensor | None:

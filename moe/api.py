@@ -52,7 +52,7 @@ class ModelInfo:
     attention: str = "layer"  # the shortcut asked for ("layer", "replicated", "tensor"); the plan has each block's
     experts: str = "expert"  # "expert" or "tensor"
     exchange: str = "auto"  # how token copies reach experts on N ranks (moe.parallel.gather)
-    compiled: bool = False  # decode steps run through torch.compile (one rank)
+    compiled: bool = False  # decode steps run through torch.compile (`MoEModel.from_pretrained`'s `compile`)
     load_seconds: list[float] = field(default_factory=list)  # per rank, reading its tensors
     bytes_read: list[int] = field(default_factory=list)  # per rank
     files_read: list[list[str]] = field(default_factory=list)  # per rank
@@ -73,6 +73,14 @@ class ModelInfo:
                    tensors_read=each("tensors_read"),
                    rank_params=each("params"), pids=each("pid"), baseline_mib=each("baseline_mib"),
                    loaded_peak_mib=each("loaded_peak_mib"))
+
+
+def check_compiled_plan(plan: Placement, compile: bool) -> Placement:
+    """On N ranks a decode step compiles where every rank runs all of it: attention replicated in every block."""
+    if compile and not plan.replicated:
+        raise ValueError("compile=True on N ranks needs replicated attention in every block (attention='replicated'):"
+                         " there every rank runs the whole decode step")
+    return plan
 
 
 def check_options(gpus: int, cpu_kernels: str, attention: str, experts: str, exchange: str, compile: bool) -> None:
@@ -125,9 +133,11 @@ class MoEModel:
         the project's streaming matrix-vector kernel (built once per torch installation, `models.matvec`) and prompts
         through oneDNN; "onednn" keeps linear weights in oneDNN's packed layout for every product (what "auto"
         falls back to without a C++ compiler); "torch" keeps plain tensors and `F.linear`. `dtype="int8"`: int8
-        weights quantized at load (per output channel), bf16 activations. `compile=True` (one rank) runs decode
+        weights quantized at load (per output channel), bf16 activations. `compile=True` runs decode
         steps through `torch.compile` with every shape static (`moe.engine.compiled`; a CUDA graph on GPUs): the
-        first step of each batch size compiles (tens of seconds on a CPU), later ones run the graph.
+        first step of each batch size compiles (tens of seconds on a CPU), later ones run the graph. On N ranks it
+        needs `attention="replicated"`, and compiles the steps of a batch smaller than the ranks, which every rank
+        runs whole (`moe.engine.replicated`); larger batches run eager.
         `exchange` (N ranks): "auto" gathers a step's few rows to every rank (two collectives per block, no sizes
         on the host) for decode and exchanges them by all-to-all for prefill; "gather" or "all-to-all" forces one.
         """
@@ -140,18 +150,19 @@ class MoEModel:
         base = dict(format=ckpt.fmt, dtype=dtype_name, cpu_kernels=cpu_kernels, attention=attention, experts=experts,
                     exchange=exchange)
         joined = from_torchrun(device, timeout_s)
-        if compile and (gpus > 1 or placement is not None or joined is not None):
-            raise ValueError("compile=True runs on one rank for now (gpus=1, no torchrun, no placement)")
         if joined is not None:
-            return cls._join_torchrun(path, cfg, tokenizer, base, *joined, gpus, placement, blocks_per_rank, progress)
+            return cls._join_torchrun(path, cfg, tokenizer, base, *joined, gpus, placement, blocks_per_rank, progress,
+                                      compile)
         kind = ranks_device(device, gpus)
         if kind == "cpu" and cpu_kernels == "auto":
             matvec.available()  # built here once, before N ranks start and load it
         if gpus == 1 and placement is None:
             return cls._load_here(path, cfg, tokenizer, base, device if device.startswith("cuda:") else kind,
                                   progress, compile)
-        plan = resolve_placement(placement, cfg, gpus, blocks_per_rank, attention, experts)
-        spec = ShardSpec(str(path), dtype_name, plan.to_json(), progress, cpu_kernels, kind, timeout_s, exchange)
+        plan = check_compiled_plan(resolve_placement(placement, cfg, gpus, blocks_per_rank, attention, experts),
+                                   compile)
+        spec = ShardSpec(str(path), dtype_name, plan.to_json(), progress, cpu_kernels, kind, timeout_s, exchange,
+                         compile)
         return cls._start_ranks(spec, cfg, tokenizer, base, gpus, plan, master_port, threads)
 
     @classmethod
@@ -170,25 +181,27 @@ class MoEModel:
         from moe.workers.group import WorkerGroup
 
         group = WorkerGroup(gpus, spec, master_port, threads)
-        info = ModelInfo.from_reports(base, group.ready, launch="processes", placement=plan)
+        info = ModelInfo.from_reports(base, group.ready, launch="processes", placement=plan, compiled=spec.compile)
         return cls(RemoteEngine(group), cfg, tokenizer, info)
 
     @classmethod
     def _join_torchrun(cls, path, cfg, tokenizer, base: dict, dist, created: bool, gpus: int, placement,
-                       blocks_per_rank, progress: bool) -> MoEModel:
+                       blocks_per_rank, progress: bool, compile: bool) -> MoEModel:
         from moe.workers.rank import load_shard
 
         if gpus not in (1, dist.world_size):
             raise ValueError(f"gpus={gpus}: under torchrun the ranks are torchrun's (WORLD_SIZE={dist.world_size}); "
                              "leave gpus out")
-        plan = resolve_placement(placement, cfg, dist.world_size, blocks_per_rank, base["attention"], base["experts"])
+        plan = check_compiled_plan(resolve_placement(placement, cfg, dist.world_size, blocks_per_rank,
+                                                     base["attention"], base["experts"]), compile)
         spec = ShardSpec(str(path), base["dtype"], plan.to_json(), progress, base["cpu_kernels"], dist.device.type,
-                         exchange=base["exchange"])
+                         exchange=base["exchange"], compile=compile)
         baseline = peak_memory_mib(dist.device)
         engine, stats = load_shard(spec, dist)
         engine.owns_group = created  # a group another model of this job made stays for that model
         reports = dist.all_gather_object(load_report(engine.model, stats, baseline, dist.device, dist.backend))
-        info = ModelInfo.from_reports(base, reports, launch="torchrun", rank=dist.rank, placement=plan)
+        info = ModelInfo.from_reports(base, reports, launch="torchrun", rank=dist.rank, placement=plan,
+                                      compiled=compile)
         return cls(engine, cfg, tokenizer, info)
 
     @property

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from moe.bench.collectives import collective_cost
-from moe.bench.in_turns import LAYOUTS, decode_steps_in_turns, memory_short
+from moe.bench.in_turns import LAYOUTS, REFERENCES, decode_steps_in_turns, memory_short, print_steps_in_turns
 from moe.bench.llama_cpp import combine
 from moe.cli.bench import print_comparisons, print_products
 from tests.checkpoints import ROOT, SHIPPED
@@ -51,8 +51,8 @@ def test_two_rank_steps_are_set_against_the_one_rank_step(capsys):
 @pytest.mark.multiprocess
 def test_layouts_measured_in_turns_give_step_times_and_the_one_rank_tokens():
     steps, differ = decode_steps_in_turns(str(SHIPPED), "float32", 2, 2, rounds=2, new_tokens=4)
-    assert set(steps) == {"1 rank", *LAYOUTS} and all(0 < s < 1 for s in steps.values())
-    assert differ == []  # fp32: every layout gives the 1-rank tokens
+    assert set(steps) == {*REFERENCES, *LAYOUTS} and all(0 < s < 1 for s in steps.values())
+    assert differ == []  # fp32: every layout gives its 1-rank reference's tokens
     assert memory_short(str(SHIPPED)) is None  # a few MB
 
 
@@ -71,3 +71,12 @@ def test_llama_cpp_sessions_before_and_after_ours_make_one_row():
     assert row["sessions"] == 2 and len(row["decode_samples"]) == 6
     assert row["decode1_step_s"] == pytest.approx(1 / 220.0)  # the median of all six runs
     assert row["prefill_s"] == pytest.approx(512 / 560.0)
+
+
+def test_steps_in_turns_are_printed_against_the_one_rank_step_of_their_mode(capsys):
+    steps = {"1 rank": 0.004, "1 rank, compiled": 0.003, "replicated/tensor": 0.008,
+             "replicated/tensor, compiled": 0.0045}
+    print_steps_in_turns(steps, [], 2, 8)
+    out = capsys.readouterr().out
+    assert "1 rank 4.00 ms; 1 rank, compiled 3.00 ms;" in out
+    assert "replicated/tensor 8.00 ms = 2.00x" in out and "replicated/tensor, compiled 4.50 ms = 1.50x" in out

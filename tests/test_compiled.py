@@ -1,6 +1,6 @@
 """`compile=True`: decode steps through torch.compile with static shapes give the eager tokens, reuse their
-graph and cache from one request to the next, and are refused where they do not run (oneDNN-packed weights,
-several ranks)."""
+graph and cache from one request to the next, and are refused where they do not run (oneDNN-packed weights; on
+N ranks, tests/test_compiled_ranks.py)."""
 
 from __future__ import annotations
 
@@ -86,7 +86,5 @@ def test_requests_under_inference_mode_or_no_grad_reuse_the_graph():
 def test_compile_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="cannot trace oneDNN-packed weights"):
         MoEModel.from_pretrained(TRAINED, compile=True, cpu_kernels="onednn")
-    with pytest.raises(ValueError, match="runs on one rank for now"):
-        MoEModel.from_pretrained(TRAINED, compile=True, gpus=2)
     with pytest.raises(ValueError, match="compile must be True or False"):
         MoEModel.from_pretrained(TRAINED, compile="yes")

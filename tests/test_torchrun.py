@@ -79,3 +79,11 @@ def test_tensor_parallel_generate_under_torchrun_gives_the_one_process_text():
     assert one.returncode == 0 and two.returncode == 0, (one.stderr + two.stderr)[-3000:]
     assert continuation(two.stdout) == continuation(one.stdout)
     assert two.stdout.count("tensor[0,1] / tensor[0,1]") == 1
+
+
+def test_compiled_steps_on_replicated_ranks_give_the_one_process_tokens():
+    args = ("--ckpt", str(TRAINED), "--prompt", PROMPT, "--max-new-tokens", "16")
+    run = script("generate", *args, "--attention", "replicated", "--compile", ranks=2)
+    one = script("generate", *args)
+    assert run.returncode == 0 and one.returncode == 0, (run.stderr + one.stderr)[-3000:]
+    assert continuation(run.stdout) == continuation(one.stdout)

@@ -19,27 +19,39 @@ LAYOUTS = {
     "replicated/expert, each rank its slice": {"attention": "replicated", "exchange": "gather"},
     "replicated/expert": {"attention": "replicated"},
     "replicated/tensor": {"attention": "replicated", "experts": "tensor"},
+    "replicated/expert, compiled": {"attention": "replicated", "compile": True},
+    "replicated/tensor, compiled": {"attention": "replicated", "experts": "tensor", "compile": True},
 }
+# The 1-rank steps each layout is set against: eager against eager, compiled against compiled.
+REFERENCES = {"1 rank": {}, "1 rank, compiled": {"compile": True}}
+
+
+def reference_of(name: str) -> str:
+    return "1 rank, compiled" if LAYOUTS.get(name, REFERENCES.get(name, {})).get("compile") else "1 rank"
 
 
 def memory_short(path: str) -> str | None:
     """Why every layout cannot be loaded at once here (each holds about the checkpoint's bytes over its ranks, more
     with replicated attention), or None."""
-    need = 1.3 * (1 + len(LAYOUTS)) * sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
+    need = 1.3 * (len(REFERENCES) + len(LAYOUTS)) * sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
     free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     if need > free:
-        return f"{len(LAYOUTS) + 1} models at once need about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+        models = len(REFERENCES) + len(LAYOUTS)
+        return f"{models} models at once need about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
     return None
 
 
 def decode_steps_in_turns(path: str, dtype: str, gpus: int, threads: int, rounds: int = 8,
                           new_tokens: int = 64) -> tuple[dict[str, float], list[str]]:
-    """({"1 rank": median step seconds, layout: ...}, the layouts whose greedy tokens differed from the 1-rank
-    tokens in some round). The 1-rank model gets `threads`, each of the `gpus` ranks threads // gpus."""
+    """({"1 rank": median step seconds, "1 rank, compiled": ..., layout: ...}, the layouts whose greedy tokens
+    differed from their 1-rank reference's (`reference_of`) in some round). The 1-rank models get `threads`, each of
+    the `gpus` ranks threads // gpus."""
     from moe import MoEModel
 
-    models = {"1 rank": MoEModel.from_pretrained(path, dtype=dtype, threads=threads)}
+    models = {}
     try:
+        for name, options in REFERENCES.items():
+            models[name] = MoEModel.from_pretrained(path, dtype=dtype, threads=threads, **options)
         for name, options in LAYOUTS.items():
             models[name] = MoEModel.from_pretrained(path, dtype=dtype, gpus=gpus, threads=max(1, threads // gpus),
                                                     **options)
@@ -55,7 +67,7 @@ def decode_steps_in_turns(path: str, dtype: str, gpus: int, threads: int, rounds
                 tokens[name] = model.generate(prompts(1, DECODE_PROMPT, vocab, r), max_new_tokens=new_tokens,
                                               ignore_eos=True)
                 steps[name].append(model.last_result.decode_seconds / (new_tokens - 1))
-            differ |= {name for name, out in tokens.items() if out != tokens["1 rank"]}
+            differ |= {name for name, out in tokens.items() if out != tokens[reference_of(name)]}
         return {name: statistics.median(s) for name, s in steps.items()}, [n for n in LAYOUTS if n in differ]
     finally:
         for model in models.values():
@@ -63,8 +75,9 @@ def decode_steps_in_turns(path: str, dtype: str, gpus: int, threads: int, rounds
 
 
 def print_steps_in_turns(steps: dict[str, float], differ: list[str], gpus: int, rounds: int) -> None:
-    one = steps["1 rank"]
-    parts = [f"{name} {s * 1e3:.2f} ms = {s / one:.2f}x" for name, s in steps.items() if name != "1 rank"]
+    ones = "; ".join(f"{name} {steps[name] * 1e3:.2f} ms" for name in REFERENCES if name in steps)
+    parts = [f"{name} {s * 1e3:.2f} ms = {s / steps[reference_of(name)]:.2f}x"
+             for name, s in steps.items() if name not in REFERENCES]
     print(f"{gpus} ranks, batch-1 decode step, every layout loaded at once and measured in turns ({rounds} rounds): "
-          f"1 rank {one * 1e3:.2f} ms; {'; '.join(parts)} the 1-rank step; greedy tokens as on 1 rank: "
-          + (f"all but {', '.join(differ)} (a rounding apart)" if differ else "all"))
+          f"{ones}; {'; '.join(parts)} its 1-rank step (eager against eager, compiled against compiled); greedy "
+          "tokens as on 1 rank: " + (f"all but {', '.join(differ)} (a rounding apart)" if differ else "all"))

@@ -70,8 +70,9 @@ def parser() -> argparse.ArgumentParser:
                          "machine) and prompts through oneDNN; onednn packs every weight for oneDNN; torch: plain "
                          "torch products")
     ap.add_argument("--compile", action="store_true",
-                    help="one rank: run decode steps through torch.compile with static shapes (a CUDA graph on GPUs); "
-                         "the first step compiles (tens of seconds on a CPU)")
+                    help="run decode steps through torch.compile with static shapes (a CUDA graph on GPUs); the first "
+                         "step compiles (tens of seconds on a CPU); on N ranks with --attention replicated, the steps "
+                         "of a batch smaller than the ranks")
     ap.add_argument("--expert-load", default=None, metavar="DIR",
                     help="after generating, write an expert-load report (JSON, CSV, PNG) to DIR")
     ap.add_argument("--master-port", type=int, default=None,

@@ -1,5 +1,7 @@
-"""The one-rank decode step compiled: `torch.compile` of `Transformer.decode_step`, whose shapes never change
-within a request, so it compiles once per batch size and cache length and then runs as one graph.
+"""The decode step compiled: `torch.compile` of `Transformer.decode_step`, whose shapes never change within a
+request, so it compiles once per batch size and cache length and then runs as one graph. One rank's whole model, or
+on N ranks each rank's where every rank runs the whole step (`moe.engine.replicated`; its collectives are opaque ops
+of the graph, `moe.parallel.distributed`).
 
 On CPU inductor fuses the step's small operations (norms, rotary, routing, the weighted sum) around the streaming
 kernel (an opaque op to it, `models.matvec`); on CUDA, `mode="reduce-overhead"` captures the step as a CUDA graph
@@ -64,10 +66,12 @@ def compile_step(step, device: torch.device, isolate: bool = False):
 
 
 class CompiledDecode:
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Transformer, head: bool = True) -> None:
+        """`head=False`: the step stops at the last block (a rank that runs the blocks for their collectives and
+        needs no logits, `moe.engine.replicated`); it returns the hidden states."""
         self.model = model
         self.device = model.norm.weight.device
-        self.step = compile_step(model.decode_step, self.device, isolate=True)
+        self.step = compile_step(model.decode_step if head else model.decode_hidden, self.device, isolate=True)
         self.slot = torch.zeros(1, dtype=torch.long, device=self.device)  # the step's cache slot, set in place
         self.inputs: dict[str, torch.Tensor] = {}  # the step's tokens and padding, copied in (`own`)
         self.caches: dict[str, KVCache] | None = None

@@ -13,6 +13,10 @@ done alike on every rank, in the time one rank would take, so no rows need movin
 costs one collective (the experts' partial sums, `moe.parallel.gather`), and rank 0 holds the logits without a
 gather. Every rank computes the same bits (the same kernels on the same rows, the sums added in rank order), so
 every rank routes alike. Only where each expert has one replica and the exchange is "auto".
+
+Such a step is the whole model on every rank, so with `compile=True` it runs compiled as one rank's does
+(`moe.engine.compiled`): the block's sum over ranks is one opaque op of the graph, and the Python of every block's
+attention, routing and experts, which each rank would otherwise run on its own core, is gone.
 """
 
 from __future__ import annotations
@@ -22,11 +26,19 @@ import functools
 import torch
 
 from models.attention import Padding
+from moe.engine.compiled import CompiledDecode
 from moe.engine.sharded import ShardedEngine
 from moe.parallel.gather import ExchangeDispatcher
 
 
 class ReplicatedAttentionEngine(ShardedEngine):
+    compiled: CompiledDecode | None = None
+
+    def compile_decode(self) -> None:
+        """Decode steps of a batch run `redundant`ly run compiled: every rank runs the whole step, one collective per
+        block (an opaque op of the graph); rank 0's graph ends with the head, the others' at the last block."""
+        self.compiled = CompiledDecode(self.model, head=self.rank == self.head_rank)
+
     @property
     def head_rank(self) -> int:
         return 0
@@ -47,7 +59,12 @@ class ReplicatedAttentionEngine(ShardedEngine):
 
     def start(self, batch: int, length: int, pad_B: torch.Tensor) -> None:
         rows = self.my_rows(batch)
-        self.caches = self.model.make_caches(len(rows), length) if len(rows) else {}
+        if self.compiled is not None and self.redundant(batch):
+            self.caches = self.compiled.caches_for(batch, length)
+        else:
+            if self.compiled is not None:
+                self.compiled.caches = None  # a batch split over the ranks runs eager, in caches of its slice
+            self.caches = self.model.make_caches(len(rows), length) if len(rows) else {}
         self.padding = Padding.of(pad_B[rows], self.dist.device)
 
     @torch.inference_mode()
@@ -60,6 +77,9 @@ class ReplicatedAttentionEngine(ShardedEngine):
         self.step.most = -(-B // self.dist.world_size) * S  # the largest slice's tokens
         for block in self.model.layers.values():  # one rank counts the copies every rank routes alike
             block.feed_forward.counts_load = self.rank == self.head_rank or not redundant
+        if redundant and self.compiled is not None and S == 1 and caches is self.caches:  # a decode step
+            out = self.compiled(tokens_BS.to(device), start, padding.device_B if padding is not None else None)
+            return out[:, None] if self.rank == self.head_rank else None
         if redundant:  # rank 0 computes the logits; the others run the blocks for their exchanges
             if self.rank == self.head_rank:
                 return self.model(tokens_BS.to(device), start, caches, padding, last_only=last_only)
@@ -73,6 +93,11 @@ class ReplicatedAttentionEngine(ShardedEngine):
             for block in self.model.layers.values():
                 block.feed_forward.run_experts(*self.no_rows)
         return self._gather(local, B, 1 if last_only else S)
+
+    def close(self) -> None:
+        if self.compiled is not None:
+            self.compiled.caches = None
+        super().close()
 
     def _gather(self, local: torch.Tensor | None, batch: int, seq: int) -> torch.Tensor | None:
         """Every rank's logits rows, in batch order, on rank 0 (equal-size buffers: gather needs them)."""

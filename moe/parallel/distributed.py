@@ -149,9 +149,12 @@ class DistContext:
 
     def sum_in_rank_order(self, t: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of `t`, added in rank order here: the same bits on every rank, whatever the backend
-        (one all-gather; for a decode step's few rows, where the volume is nothing and the call is everything)."""
+        (one all-gather; for a decode step's few rows, where the volume is nothing and the call is everything).
+        In a compiled step, one opaque op of the graph (`_summed_over_ranks`)."""
         if not self.distributed:
             return t
+        if torch.compiler.is_compiling():
+            return torch.ops.moe_dist.sum_in_rank_order(t, self.world_size, self.poll)
         return _blocks_summed_in_order(self.all_gather(t), self.world_size)
 
     def gather(self, t: torch.Tensor, dst: int) -> list[torch.Tensor] | None:
@@ -193,6 +196,19 @@ def _blocks_summed_in_order(parts: torch.Tensor, world_size: int) -> torch.Tenso
     for r in range(1, world_size):
         out += parts[r * rows:(r + 1) * rows]
     return out
+
+
+@torch.library.custom_op("moe_dist::sum_in_rank_order", mutates_args=())
+def _summed_over_ranks(t: torch.Tensor, world_size: int, poll: bool) -> torch.Tensor:
+    """`DistContext.sum_in_rank_order` over the default group, as an op a compiled step calls (dynamo traces no
+    collective of gloo's; inductor calls this one from its C++ wrapper, and its wait polls as the eager one's)."""
+    here = DistContext(dist.get_rank(), world_size, t.device, dist.get_backend(), poll=poll)
+    return here.sum_in_rank_order(t)
+
+
+@_summed_over_ranks.register_fake
+def _(t: torch.Tensor, world_size: int, poll: bool) -> torch.Tensor:
+    return torch.empty_like(t)
 
 
 def single_process(device: str | torch.device = "cpu") -> DistContext:

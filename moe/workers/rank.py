@@ -43,6 +43,7 @@ class ShardSpec:
     device: str = "cpu"  # "cuda" (NCCL, GPU `rank` of this machine) or "cpu" (gloo); chosen by the parent
     timeout_s: float = DEFAULT_TIMEOUT_S  # how long a collective waits for the slowest rank
     exchange: str = "auto"  # the experts' exchange: "auto" (gather for decode), "all-to-all", "gather"
+    compile: bool = False  # decode steps run compiled where every rank runs the whole step (moe.engine.replicated)
 
 
 def load_shard(spec: ShardSpec, dist: DistContext) -> tuple[ShardedEngine, dict]:
@@ -55,7 +56,10 @@ def load_shard(spec: ShardSpec, dist: DistContext) -> tuple[ShardedEngine, dict]
                                   prune=lambda m: apply_placement(m, placement, dist.rank), kernels=spec.cpu_kernels)
     step = StepRows(spec.exchange)
     connect_ranks(model, placement, dist, step)
-    return engine_type(model, placement, dist, torch_dtype, step), stats
+    engine = engine_type(model, placement, dist, torch_dtype, step)
+    if spec.compile:
+        engine.compile_decode()
+    return engine, stats
 
 
 def load_report(model: torch.nn.Module, stats: dict, baseline_mib: float, device: torch.device,

@@ -1,0 +1,64 @@
+"""`compile=True` on N ranks: with attention replicated a lone sequence's decode step is the whole model on every
+rank, compiled with each block's sum over ranks as an opaque op. It gives the 1-rank tokens, counts the same loads
+as the eager ranks, leaves larger batches to the eager steps, and is refused where a rank runs part of a step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe import MoEModel
+from moe.engine.compiled import compile_step
+from moe.parallel.distributed import init_process_group
+from moe.workers.group import run_ranks
+from tests.checkpoints import TRAINED
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # each rank compiles its step (tens of seconds)
+
+
+@pytest.mark.parametrize("experts", ["expert", "tensor"])
+def test_two_ranks_compiled_give_the_one_rank_tokens(experts):
+    one = MoEModel.from_pretrained(TRAINED)
+    layout = dict(gpus=2, attention="replicated", experts=experts)
+    with MoEModel.from_pretrained(TRAINED, **layout) as eager, \
+            MoEModel.from_pretrained(TRAINED, compile=True, **layout) as compiled:
+        assert compiled.info.compiled and not eager.info.compiled
+        for prompts in ([[1, 45, 312, 9, 77]], [[1, 700, 12, 13]], [[1, 45, 312, 9], [1, 8]]):  # the last: eager
+            want = one.generate(prompts, max_new_tokens=20, ignore_eos=True)
+            assert compiled.generate(prompts, max_new_tokens=20, ignore_eos=True) == want, prompts
+            assert eager.generate(prompts, max_new_tokens=20, ignore_eos=True) == want, prompts
+        sampled = dict(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=3)
+        assert compiled.generate(["And God said"], **sampled) == one.generate(["And God said"], **sampled)
+        eager.generate(["And God said"], **sampled)
+        # The compiled steps count the copies per expert and the rows each rank computed as the eager ones do.
+        ran, want = compiled.expert_load(), eager.expert_load()
+        assert torch.equal(ran.counts, want.counts) and torch.equal(ran.received, want.received)
+
+
+def test_compile_on_ranks_that_run_part_of_a_step_is_refused():
+    for layout in (dict(gpus=2), dict(gpus=2, attention="tensor"), dict(gpus=2, experts="tensor")):
+        with pytest.raises(ValueError, match="compile=True on N ranks needs replicated attention in every block"):
+            MoEModel.from_pretrained(TRAINED, compile=True, **layout)
+
+
+def _compiled_sum(rank: int, world_size: int, port: int, out: str) -> None:
+    dist = init_process_group(rank, world_size, "127.0.0.1", port)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))
+
+    def step(t: torch.Tensor) -> torch.Tensor:
+        return dist.sum_in_rank_order(t * 3) - 1
+
+    got, eager = compile_step(step, dist.device)(x), step(x)
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps({"same": torch.equal(got, eager), "sum": got.tolist()}))
+    dist.destroy()
+
+
+def test_a_compiled_sum_over_ranks_gives_the_eager_bits(tmp_path):
+    run_ranks(_compiled_sum, 2, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    x0, x1 = (torch.randn(3, 8, generator=torch.Generator().manual_seed(r)) for r in range(2))
+    assert all(r["same"] for r in ranks)
+    assert ranks[0]["sum"] == ranks[1]["sum"] == (x0 * 3 + x1 * 3 - 1).tolist()
