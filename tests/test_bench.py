@@ -12,6 +12,7 @@ import pytest
 from moe.bench.collectives import collective_cost
 from moe.bench.in_turns import LAYOUTS, REFERENCES, decode_steps_in_turns, memory_short, print_steps_in_turns
 from moe.bench.llama_cpp import combine
+from moe.bench.step_parts import compiled_step_parts, print_compiled_step_parts
 from moe.cli.bench import print_comparisons, print_products
 from tests.checkpoints import ROOT, SHIPPED
 
@@ -80,3 +81,16 @@ def test_steps_in_turns_are_printed_against_the_one_rank_step_of_their_mode(caps
     out = capsys.readouterr().out
     assert "1 rank 4.00 ms; 1 rank, compiled 3.00 ms;" in out
     assert "replicated/tensor 8.00 ms = 2.00x" in out and "replicated/tensor, compiled 4.50 ms = 1.50x" in out
+
+
+@pytest.mark.multiprocess
+def test_a_compiled_two_rank_step_is_told_apart_into_its_sums_broadcast_and_computing(capsys):
+    parts = compiled_step_parts(str(SHIPPED), "float32", 2)
+    for p in parts:
+        assert 0 < p["sums"] < p["step"] < 1 and 0 < p["broadcast"] < p["step"]
+        assert 0 < p["sum_median"] <= p["sum_p90"] <= p["sum_max"] < 5
+    print_compiled_step_parts([{"step": 0.006, "sums": 0.002, "broadcast": 0.0005, "sum_median": 0.00015,
+                                "sum_p90": 0.0003, "sum_max": 0.005}], 8, 0.0035)
+    out = capsys.readouterr().out
+    assert "8 sums over ranks 2.00 (one: median 0.15 / p90 0.30 / max 5.00)" in out
+    assert "computing 3.50 = 1.00x the compiled 1-rank step" in out

@@ -186,9 +186,10 @@ def print_exchange_counts(path: Path, args: argparse.Namespace) -> None:
 
 
 def print_n_ranks(path: Path, args: argparse.Namespace, cfg) -> dict | None:
-    """N ranks: their collectives per block, their batch-1 steps measured in turns with the 1-rank step, and what
-    one collective costs here. Returns the steps in turns."""
+    """N ranks: their collectives per block, their batch-1 steps measured in turns with the 1-rank step, where a
+    compiled one goes, and what one collective costs here. Returns the figures for the JSON."""
     from moe.bench.in_turns import decode_steps_in_turns, memory_short, print_steps_in_turns
+    from moe.bench.step_parts import compiled_step_parts, print_compiled_step_parts
 
     print_exchange_counts(path, args)
     in_turns = None
@@ -197,8 +198,10 @@ def print_n_ranks(path: Path, args: argparse.Namespace, cfg) -> dict | None:
     else:
         in_turns, differ = decode_steps_in_turns(str(path), args.dtype, args.gpus, args.threads, IN_TURNS_ROUNDS)
         print_steps_in_turns(in_turns, differ, args.gpus, IN_TURNS_ROUNDS)
+    parts = compiled_step_parts(str(path), args.dtype, args.gpus)
+    print_compiled_step_parts(parts, cfg.n_layers, (in_turns or {}).get("1 rank, compiled"))
     print_collective_cost(args.gpus, cfg.dim)
-    return in_turns
+    return {"decode_steps_in_turns": in_turns, "compiled_step_parts": parts}
 
 
 def print_collective_cost(gpus: int, dim: int) -> None:
@@ -295,14 +298,13 @@ def main(args: argparse.Namespace) -> int:
     if products is not None:
         print_products(products, rows, bounds)
     print_comparisons(rows, args.gpus, bounds["cfg"])
-    in_turns = print_n_ranks(path, args, bounds["cfg"]) if args.gpus > 1 else None
+    n_ranks = print_n_ranks(path, args, bounds["cfg"]) if args.gpus > 1 else {}
     if args.json:
         args.json.write_text(json.dumps({"size": args.size, "dtype": args.dtype, "threads": args.threads,
                                          "cpu": cpu_name(), "bandwidth_gbs": bounds["bandwidth"],
                                          "read_gbs": bounds["read"], "matmul_gflops": bounds["peaks"],
                                          "decode_bytes": bounds["step_bytes"], "new_tokens": NEW_TOKENS,
-                                         "prefill_tokens": PREFILL, "cases": rows,
-                                         "decode_steps_in_turns": in_turns}, indent=1) + "\n")
+                                         "prefill_tokens": PREFILL, "cases": rows, **n_ranks}, indent=1) + "\n")
     return 0
 
 

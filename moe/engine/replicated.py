@@ -35,8 +35,8 @@ class ReplicatedAttentionEngine(ShardedEngine):
     compiled: CompiledDecode | None = None
 
     def compile_decode(self) -> None:
-        """Decode steps of a batch run `redundant`ly run compiled: every rank runs the whole step, one collective per
-        block (an opaque op of the graph); rank 0's graph ends with the head, the others' at the last block."""
+        """Decode steps of a batch that every rank runs whole (`redundant`) run compiled, one collective per block
+        (an opaque op of the graph); rank 0's graph ends with the head, the others' at the last block."""
         self.compiled = CompiledDecode(self.model, head=self.rank == self.head_rank)
 
     @property

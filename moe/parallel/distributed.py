@@ -200,8 +200,9 @@ def _blocks_summed_in_order(parts: torch.Tensor, world_size: int) -> torch.Tenso
 
 @torch.library.custom_op("moe_dist::sum_in_rank_order", mutates_args=())
 def _summed_over_ranks(t: torch.Tensor, world_size: int, poll: bool) -> torch.Tensor:
-    """`DistContext.sum_in_rank_order` over the default group, as an op a compiled step calls (dynamo traces no
-    collective of gloo's; inductor calls this one from its C++ wrapper, and its wait polls as the eager one's)."""
+    """`DistContext.sum_in_rank_order` over the default group, as an op a compiled step calls: dynamo cannot trace
+    a collective waited for by polling, so the graph calls this (from inductor's C++ wrapper), which waits as the
+    eager step does."""
     here = DistContext(dist.get_rank(), world_size, t.device, dist.get_backend(), poll=poll)
     return here.sum_in_rank_order(t)
 
