@@ -1,6 +1,6 @@
 """Waiting for a collective by polling (`DistContext.poll`, rank processes with cores of their own): the same
 answers as sleeping in it, the same error at the group's timeout (never a hang), and only where the cores are the
-rank's alone."""
+rank's alone; there gloo's I/O threads run at the lowest priority."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch
 
 from moe.parallel.distributed import init_process_group
 from moe.workers.group import run_ranks
+from moe.workers.rank import GLOO_IO_THREAD, lower_gloo_io_threads
 
 pytestmark = pytest.mark.multiprocess
 
@@ -87,3 +88,26 @@ def test_ranks_poll_only_on_cores_of_their_own():
         [False, True], [False, True],  # 4 ranks on 2 cores: pinned, sharing a core, so sleeping in collectives
         [False, False],  # more threads than its share: neither
     ]
+
+
+def _lowered(rank: int, world_size: int, port: int, out: str) -> None:
+    dist = dataclasses.replace(init_process_group(rank, world_size, "127.0.0.1", port), poll=True)
+    lowered = lower_gloo_io_threads()
+    tasks = Path("/proc/self/task")
+    nice = {int(t.name): os.getpriority(os.PRIO_PROCESS, int(t.name)) for t in tasks.iterdir()
+            if (t / "comm").read_text().strip() == GLOO_IO_THREAD}
+    summed = dist.sum_in_rank_order(torch.full((1, 4), float(rank + 1)))
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps({
+        "lowered": lowered, "nice": sorted(nice.values()), "mine": os.getpriority(os.PRIO_PROCESS, 0),
+        "sum": summed.tolist()}))
+    dist.destroy()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="threads are found in /proc (Linux)")
+def test_gloo_io_threads_run_at_the_lowest_priority_and_collectives_still_finish(tmp_path):
+    run_ranks(_lowered, 2, str(tmp_path))
+    for r in range(2):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got["lowered"] >= 1 and got["nice"] == [19] * got["lowered"]
+        assert got["mine"] == 0  # the rank's own thread keeps its priority
+        assert got["sum"] == [[3.0] * 4]

@@ -33,12 +33,14 @@ def _parts_on_rank(rank: int, world_size: int, port: int, path: str, dtype: str,
     from moe.checkpoint.formats import detect
     from moe.generation import SamplingParams, generate_tokens
     from moe.parallel.distributed import DistContext, init_process_group
-    from moe.workers.rank import ShardSpec, keep_to_share, load_shard
+    from moe.workers.rank import ShardSpec, keep_to_share, load_shard, lower_gloo_io_threads
 
     torch.set_num_threads(1)
     dist = init_process_group(rank, world_size, "127.0.0.1", port, poll=keep_to_share(rank, world_size, 1))
     plan = strategy_plan(detect(path).config, world_size, strategy)
     engine, _ = load_shard(ShardSpec(path, dtype, plan.to_json(), compile=True), dist)
+    if dist.poll:  # as a rank process does
+        lower_gloo_io_threads()
 
     def run(new_tokens: int) -> float:
         greedy = SamplingParams(new_tokens, 0.0, 1.0, 0, 0)

@@ -13,6 +13,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -93,6 +94,27 @@ def keep_to_share(rank: int, world_size: int, threads: int) -> bool:
     return alone
 
 
+GLOO_IO_THREAD = "gloo_tcp_loop"  # the name gloo gives the thread of its TCP transport's event loop
+
+
+def lower_gloo_io_threads() -> int:
+    """Put gloo's I/O threads of this process at the lowest priority (nice 19) and return how many there were. On
+    a rank with a core of its own, an I/O thread woken by a peer's bytes took the core from the rank's own thread in
+    stretches of 1-10 ms (`perf sched` over 3 s of a 2-rank step: 190 such runs, 520 of the 760 ms the two I/O
+    threads ran). At the lowest priority it runs when the rank waits for the collective (polling yields the core),
+    and a compiled 2-rank bf16 step took 5.34 ms instead of 6.12 (6 rounds in turns). Linux only; elsewhere nothing."""
+    tasks = Path("/proc/self/task")
+    lowered = 0
+    for task in tasks.iterdir() if tasks.is_dir() else ():
+        try:
+            if (task / "comm").read_text().strip() == GLOO_IO_THREAD:
+                os.setpriority(os.PRIO_PROCESS, int(task.name), 19)
+                lowered += 1
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return lowered
+
+
 def worker_main(conn, rank: int, world_size: int, port: int, threads: int, spec: ShardSpec) -> None:
     torch.set_num_threads(threads)
     try:
@@ -100,7 +122,9 @@ def worker_main(conn, rank: int, world_size: int, port: int, threads: int, spec:
         dist = init_process_group(rank, world_size, "127.0.0.1", port, spec.device, timeout_s=spec.timeout_s,
                                   poll=own_cores)
         baseline = peak_memory_mib(dist.device)  # the process before any weight is read
-        engine, stats = load_shard(spec, dist)
+        engine, stats = load_shard(spec, dist)  # every process group made: their I/O threads exist
+        if own_cores:
+            lower_gloo_io_threads()
         conn.send(("ok", READY, load_report(engine.model, stats, baseline, dist.device, dist.backend)))
         serve(engine, conn)
     except BaseException as e:  # report, then exit: the parent stops the other ranks
