@@ -24,6 +24,7 @@ from moe.checkpoint.loader import INT8, activation_dtype, parse_precision
 from moe.engine.base import Engine
 from moe.engine.build import build_model
 from moe.engine.local import LocalEngine
+from moe.engine.replicated import compilable_plan
 from moe.generation import SamplingParams, check_prompts
 from moe.memory import MemoryUse, available_mib, peak_memory_mib
 from moe.parallel.devices import ranks_device
@@ -73,14 +74,6 @@ class ModelInfo:
                    tensors_read=each("tensors_read"),
                    rank_params=each("params"), pids=each("pid"), baseline_mib=each("baseline_mib"),
                    loaded_peak_mib=each("loaded_peak_mib"))
-
-
-def check_compiled_plan(plan: Placement, compile: bool) -> Placement:
-    """On N ranks a decode step compiles where every rank runs all of it: attention replicated in every block."""
-    if compile and not plan.replicated:
-        raise ValueError("compile=True on N ranks needs replicated attention in every block (attention='replicated'):"
-                         " there every rank runs the whole decode step")
-    return plan
 
 
 def check_options(gpus: int, cpu_kernels: str, attention: str, experts: str, exchange: str, compile: bool) -> None:
@@ -136,8 +129,8 @@ class MoEModel:
         weights quantized at load (per output channel), bf16 activations. `compile=True` runs decode
         steps through `torch.compile` with every shape static (`moe.engine.compiled`; a CUDA graph on GPUs): the
         first step of each batch size compiles (tens of seconds on a CPU), later ones run the graph. On N ranks it
-        needs `attention="replicated"`, and compiles the steps of a batch smaller than the ranks, which every rank
-        runs whole (`moe.engine.replicated`); larger batches run eager.
+        needs `attention="replicated"` (and `exchange="auto"`, no expert replicas), and compiles the steps of a batch
+        smaller than the ranks, which every rank runs whole (`moe.engine.replicated`); larger batches run eager.
         `exchange` (N ranks): "auto" gathers a step's few rows to every rank (two collectives per block, no sizes
         on the host) for decode and exchanges them by all-to-all for prefill; "gather" or "all-to-all" forces one.
         """
@@ -159,8 +152,8 @@ class MoEModel:
         if gpus == 1 and placement is None:
             return cls._load_here(path, cfg, tokenizer, base, device if device.startswith("cuda:") else kind,
                                   progress, compile)
-        plan = check_compiled_plan(resolve_placement(placement, cfg, gpus, blocks_per_rank, attention, experts),
-                                   compile)
+        plan = compilable_plan(resolve_placement(placement, cfg, gpus, blocks_per_rank, attention, experts),
+                                   compile, exchange)
         spec = ShardSpec(str(path), dtype_name, plan.to_json(), progress, cpu_kernels, kind, timeout_s, exchange,
                          compile)
         return cls._start_ranks(spec, cfg, tokenizer, base, gpus, plan, master_port, threads)
@@ -192,8 +185,8 @@ class MoEModel:
         if gpus not in (1, dist.world_size):
             raise ValueError(f"gpus={gpus}: under torchrun the ranks are torchrun's (WORLD_SIZE={dist.world_size}); "
                              "leave gpus out")
-        plan = check_compiled_plan(resolve_placement(placement, cfg, dist.world_size, blocks_per_rank,
-                                                     base["attention"], base["experts"]), compile)
+        plan = compilable_plan(resolve_placement(placement, cfg, dist.world_size, blocks_per_rank,
+                                                     base["attention"], base["experts"]), compile, base["exchange"])
         spec = ShardSpec(str(path), base["dtype"], plan.to_json(), progress, base["cpu_kernels"], dist.device.type,
                          exchange=base["exchange"], compile=compile)
         baseline = peak_memory_mib(dist.device)

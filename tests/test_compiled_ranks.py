@@ -42,6 +42,13 @@ def test_compile_on_ranks_that_run_part_of_a_step_is_refused():
     for layout in (dict(gpus=2), dict(gpus=2, attention="tensor"), dict(gpus=2, experts="tensor")):
         with pytest.raises(ValueError, match="compile=True on N ranks needs replicated attention in every block"):
             MoEModel.from_pretrained(TRAINED, compile=True, **layout)
+    with pytest.raises(ValueError, match="needs exchange='auto' \\(got 'gather'\\)"):
+        MoEModel.from_pretrained(TRAINED, compile=True, gpus=2, attention="replicated", exchange="gather")
+    replicas = {"world_size": 2, "embed_rank": 0, "head_rank": 0,
+                "blocks": [{"attention": "replicated", "experts": "expert"}] * 4,
+                "expert_ranks": [[[0, 1], [0], [0], [0], [1], [1], [1], [1]]] + [None] * 3}
+    with pytest.raises(ValueError, match="needs experts without replicas"):
+        MoEModel.from_pretrained(TRAINED, compile=True, gpus=2, placement=replicas)
 
 
 def _compiled_sum(rank: int, world_size: int, port: int, out: str) -> None:
