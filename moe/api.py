@@ -152,8 +152,8 @@ class MoEModel:
         if gpus == 1 and placement is None:
             return cls._load_here(path, cfg, tokenizer, base, device if device.startswith("cuda:") else kind,
                                   progress, compile)
-        plan = compilable_plan(resolve_placement(placement, cfg, gpus, blocks_per_rank, attention, experts),
-                                   compile, exchange)
+        plan = resolve_placement(placement, cfg, gpus, blocks_per_rank, attention, experts)
+        compilable_plan(plan, compile, exchange)  # refused here, before any rank starts (load_shard checks it too)
         spec = ShardSpec(str(path), dtype_name, plan.to_json(), progress, cpu_kernels, kind, timeout_s, exchange,
                          compile)
         return cls._start_ranks(spec, cfg, tokenizer, base, gpus, plan, master_port, threads)
@@ -185,8 +185,7 @@ class MoEModel:
         if gpus not in (1, dist.world_size):
             raise ValueError(f"gpus={gpus}: under torchrun the ranks are torchrun's (WORLD_SIZE={dist.world_size}); "
                              "leave gpus out")
-        plan = compilable_plan(resolve_placement(placement, cfg, dist.world_size, blocks_per_rank,
-                                                     base["attention"], base["experts"]), compile, base["exchange"])
+        plan = resolve_placement(placement, cfg, dist.world_size, blocks_per_rank, base["attention"], base["experts"])
         spec = ShardSpec(str(path), base["dtype"], plan.to_json(), progress, base["cpu_kernels"], dist.device.type,
                          exchange=base["exchange"], compile=compile)
         baseline = peak_memory_mib(dist.device)

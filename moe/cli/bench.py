@@ -185,7 +185,7 @@ def print_exchange_counts(path: Path, args: argparse.Namespace) -> None:
               f"{max(r['syncs'] for r in ranks) / blocks:.2f} (worst rank)")
 
 
-def print_n_ranks(path: Path, args: argparse.Namespace, cfg) -> dict | None:
+def print_n_ranks(path: Path, args: argparse.Namespace, cfg) -> dict:
     """N ranks: their collectives per block, their batch-1 steps measured in turns with the 1-rank step, where a
     compiled one goes, and what one collective costs here. Returns the figures for the JSON."""
     from moe.bench.in_turns import decode_steps_in_turns, memory_short, print_steps_in_turns

@@ -47,9 +47,6 @@ class ShardedEngine:
                         torch.empty(0, cfg.top_k, device=dist.device),
                         torch.empty(0, cfg.top_k, dtype=torch.long, device=dist.device))
 
-    def compile_decode(self) -> None:
-        raise ValueError("compile=True on N ranks needs replicated attention in every block (attention='replicated')")
-
     @property
     def head_rank(self) -> int:
         """The rank that gets the logits, samples and broadcasts the next tokens."""

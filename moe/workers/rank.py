@@ -20,7 +20,7 @@ import torch
 from moe.checkpoint.loader import activation_dtype
 from moe.engine.base import ENGINE_CALLS
 from moe.engine.build import build_model
-from moe.engine.replicated import ReplicatedAttentionEngine
+from moe.engine.replicated import ReplicatedAttentionEngine, compilable_plan
 from moe.engine.sharded import ShardedEngine
 from moe.errors import USER_ERRORS
 from moe.memory import peak_memory_mib
@@ -49,7 +49,7 @@ class ShardSpec:
 
 def load_shard(spec: ShardSpec, dist: DistContext) -> tuple[ShardedEngine, dict]:
     """Build this rank's share of the model and the engine that runs it."""
-    placement = Placement.from_json(spec.placement)
+    placement = compilable_plan(Placement.from_json(spec.placement), spec.compile, spec.exchange)
     torch_dtype = activation_dtype(spec.dtype)
     engine_type = ReplicatedAttentionEngine if placement.replicated else ShardedEngine
     progress = Progress.for_loading(enabled=spec.progress and dist.rank == 0)
