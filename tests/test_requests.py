@@ -4,6 +4,7 @@ one model, and a user's mistake leaves the model usable."""
 
 from __future__ import annotations
 
+import collections
 import os
 import stat
 import threading
@@ -42,6 +43,41 @@ def test_an_interrupted_request_does_not_poison_the_next(model, expected, error)
         model.generate([PROMPTS[0]], max_new_tokens=500, streamer=streamer)
     assert model.generate([PROMPTS[1]], max_new_tokens=12) == expected[PROMPTS[1]]  # its own answer
     assert model.generate([PROMPTS[0]], max_new_tokens=12) == expected[PROMPTS[0]]
+
+
+class CountingPipe:
+    """A rank's pipe as the parent reads it, counting the kinds of message that arrive."""
+
+    def __init__(self, conn) -> None:
+        self.conn, self.kinds = conn, collections.Counter()
+
+    def recv(self):
+        msg = self.conn.recv()
+        self.kinds[msg[0]] += 1
+        return msg
+
+    def __getattr__(self, name):
+        return getattr(self.conn, name)
+
+
+def test_ranks_send_tokens_one_by_one_only_to_a_streamer(model, expected):
+    if model.info.launch == "local":
+        pytest.skip("one rank runs in the user's process: no pipe")
+    ranks = model.engine.group.ranks
+    pipes = [CountingPipe(rp.conn) for rp in ranks]
+    for rp, pipe in zip(ranks, pipes, strict=True):
+        rp.conn = pipe
+    try:
+        assert model.generate([PROMPTS[0]], max_new_tokens=12) == expected[PROMPTS[0]]
+        assert [p.kinds["token"] for p in pipes] == [0, 0]
+        pieces = []
+        assert model.generate([PROMPTS[0]], max_new_tokens=12, streamer=lambda i, s: pieces.append(s)) \
+            == expected[PROMPTS[0]]
+        assert "".join(pieces) == expected[PROMPTS[0]][0]
+        assert pipes[0].kinds["token"] == len(model.last_result.tokens[0]) and pipes[1].kinds["token"] == 0
+    finally:
+        for rp, pipe in zip(ranks, pipes, strict=True):
+            rp.conn = pipe.conn
 
 
 def test_two_threads_each_get_their_own_answer(model, expected):

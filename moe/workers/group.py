@@ -83,7 +83,8 @@ class WorkerGroup:
         return [rp.pid for rp in self.ranks]
 
     def call(self, *request, on_token: Callable[[int, int], None] | None = None) -> list:
-        """Send the same request to every rank; return each rank's reply.
+        """Send the same request to every rank; return each rank's reply. The ranks send tokens as they come only
+        when `on_token` is given (`moe.workers.rank.serve` says why).
 
         A request is a transaction: replies carry its id (a late reply of an earlier request is dropped), and
         if the caller's side fails meanwhile (a streamer raises, Ctrl-C) the request is cancelled on every rank
@@ -93,7 +94,7 @@ class WorkerGroup:
         self.next_id += 1
         req = self.next_id
         for rp in self.ranks:
-            rp.conn.send((req, *request))
+            rp.conn.send((req, on_token is not None, *request))
         try:
             replies, errors = self._collect(req, on_token)
         except BaseException:
@@ -188,7 +189,7 @@ class WorkerGroup:
         if not force:
             try:
                 for rp in self.ranks:
-                    rp.conn.send((0, "close"))
+                    rp.conn.send((0, False, "close"))
                 deadline = time.monotonic() + 10
                 for rp in self.ranks:
                     rp.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
