@@ -84,7 +84,7 @@ class WorkerGroup:
 
     def call(self, *request, on_token: Callable[[int, int], None] | None = None) -> list:
         """Send the same request to every rank; return each rank's reply. The ranks send tokens as they come only
-        when `on_token` is given (`moe.workers.rank.serve` says why).
+        when `on_token` is given (`moe.workers.rank._request_hooks` says why).
 
         A request is a transaction: replies carry its id (a late reply of an earlier request is dropped), and
         if the caller's side fails meanwhile (a streamer raises, Ctrl-C) the request is cancelled on every rank
