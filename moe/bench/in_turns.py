@@ -33,10 +33,10 @@ def reference_of(name: str) -> str:
 def memory_short(path: str) -> str | None:
     """Why every layout cannot be loaded at once here (each holds about the checkpoint's bytes over its ranks, more
     with replicated attention), or None."""
-    need = 1.3 * (len(REFERENCES) + len(LAYOUTS)) * sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
+    models = len(REFERENCES) + len(LAYOUTS)
+    need = 1.3 * models * sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
     free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     if need > free:
-        models = len(REFERENCES) + len(LAYOUTS)
         return f"{models} models at once need about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
     return None
 
