@@ -61,9 +61,9 @@ FLAVOURS = ("generic", "avx2", "avx512")
 @functools.cache
 def _simd_flags() -> tuple[str, list[str]]:
     """Flags for what this CPU runs, named in the build's name so machines sharing a cache never mix builds. AVX-512
-    reaches only the prompt kernel's inner loops (`gemm_micro.h`, written for it): with the compiler's own loops kept
-    256-bit (-mprefer-vector-width=256), the decode kernels compile as in the AVX2 build, and they read at the
-    memory's rate with it (a 512-bit decode loop measured no faster, docs/benchmarks.md)."""
+    reaches the prompt kernel's inner loops (`gemm_micro.h`, written for it) and, with VNNI, the decode kernel's
+    int8 loop (`matvec.cpp: dot_int`); the compiler's own loops stay 256-bit (-mprefer-vector-width=256), so the
+    other decode loops compile as in the AVX2 build (a 512-bit bf16 loop measured no faster, docs/benchmarks.md)."""
     capability = torch.backends.cpu.get_cpu_capability()
     flavour = {"AVX512": "avx512", "AVX2": "avx2"}.get(capability, "generic")
     asked = os.environ.get("MOE_CPU_KERNELS", "").lower()
