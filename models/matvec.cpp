@@ -92,7 +92,7 @@ inline int64_t dot_int(const int8_t* w, const int16_t* q, int64_t in) {
     const __m512i a = _mm512_add_epi32(a0, a1);
     s += hsum64(_mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1)));
   }
-#endif
+#else
   while (i < body) {
     const int64_t end = std::min(body, i + 64 * 64);
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
@@ -105,7 +105,8 @@ inline int64_t dot_int(const int8_t* w, const int16_t* q, int64_t in) {
     }
     s += hsum64(_mm256_add_epi32(_mm256_add_epi32(a0, a1), _mm256_add_epi32(a2, a3)));
   }
-#endif
+#endif  // __AVX512VNNI__
+#endif  // MOE_MATVEC_AVX2
   for (; i < in; ++i) s += static_cast<int64_t>(w[i]) * q[i];  // the tail (or everything, without AVX2)
   return s;
 }
