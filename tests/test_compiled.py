@@ -22,6 +22,7 @@ def test_compiled_decode_gives_the_eager_tokens_and_compiles_once():
     assert compiled.info.compiled and not eager.info.compiled
     want = eager.generate(PROMPTS, max_new_tokens=24, ignore_eos=True)
     assert compiled.generate(PROMPTS, max_new_tokens=24, ignore_eos=True) == want
+    assert compiled.engine.compiled.direct.keys() == compiled.engine.compiled.seen  # its steps ran without dynamo
     graphs = counters["stats"]["unique_graphs"]
     other = [[1, 700, 12, 13], [1, 99]]  # another request of the same batch size: same cache, same graph
     assert compiled.generate(other, max_new_tokens=30, ignore_eos=True) == eager.generate(other, max_new_tokens=30,
@@ -52,6 +53,28 @@ def test_steps_that_skip_the_guards_still_run_their_own_graph():
             model.set_debug_routing(round_robin)
         assert same(compiled, eager, one), round_robin
     assert len(compiled.engine.compiled.seen) == 3  # 2 batch shapes, 1 of them in both routing modes
+    assert compiled.engine.compiled.direct.keys() == compiled.engine.compiled.seen
+
+
+def test_a_direct_call_gives_dynamos_logits_and_cache_writes():
+    """Later steps of a signature call its compiled graph without dynamo (moe.engine.compiled): the same logits
+    and the same keys and values written as the call through dynamo."""
+    model = MoEModel.from_pretrained(TRAINED, compile=True)
+    model.generate([[1, 45, 312, 9]], max_new_tokens=4, ignore_eos=True)
+    step = model.engine.compiled
+    (key,) = step.direct
+    before = {name: (c.k.clone(), c.v.clone()) for name, c in step.caches.items()}
+    with torch.inference_mode():
+        direct = step(torch.tensor([[7]]), 6, None).clone()
+        written = {name: (c.k.clone(), c.v.clone()) for name, c in step.caches.items()}
+        for name, c in step.caches.items():
+            c.k.copy_(before[name][0]), c.v.copy_(before[name][1])
+        del step.direct[key]  # the signature stays in `seen`: the call goes through dynamo, guards skipped
+        through_dynamo = step(torch.tensor([[7]]), 6, None)
+    assert torch.equal(direct, through_dynamo)
+    for name, c in step.caches.items():
+        assert torch.equal(c.k, written[name][0]) and torch.equal(c.v, written[name][1]), name
+        assert not torch.equal(c.k, before[name][0]), name  # slot 6 was written
 
 
 def test_cache_lengths_in_turns_each_run_their_own_graph():

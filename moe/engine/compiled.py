@@ -13,14 +13,18 @@ Weights: on CPU the step compiles with them frozen (`frozen`), constants of its 
 call; it reads them as they were when it compiled (a model's weights do not change under its steps). Caches are
 not the model's state (`KVCache` is no module), so they stay inputs and one graph serves every cache of its shape.
 
-Guards: before each call dynamo checks about 1400 guards (measured before the weights were frozen: every module,
-parameter and flag the step reads; 62 us of checks, and skipping them saves about 90 us of a 2.7 ms int8 step). A
-model does not change under its step, so once a call signature (input shapes, cache, padding, routing modes) has
-gone through every guard, its later calls check only the guards that tell this step's graphs apart
-(`skip_guard_eval_unsafe`; dynamo keeps among them every input tensor's guard and every guard that ever sent a call
-to another graph). Each model's step keeps its own graphs (`isolate_recompiles`), so another model's graphs are
-never candidates. The stance is process-wide while a step runs: a step of another model in another thread at that
-instant skips its guards too.
+Calls: before each call dynamo checks about 1400 guards (measured before the weights were frozen: every module,
+parameter and flag the step reads). A model does not change under its step, so a call signature (input shapes,
+cache, padding, routing modes) goes through dynamo and every guard once. On CPU, where that first call compiles a
+graph, its compiled callable is kept (`CompiledDecode.direct`, handed over by a backend of our own), and later
+calls of the signature call it with the step's inputs, without dynamo: on this repository's 2-core AVX-512 EPYC,
+0.11-0.23 ms less per decode step of 1.5-2.9 ms (int8, bf16; docs/benchmarks.md) than entering through dynamo
+with its guards skipped. A signature whose first call compiled nothing (a graph of an earlier one passed its
+guards), and every signature on CUDA, runs through dynamo checking only the guards that tell this step's graphs
+apart (`skip_guard_eval_unsafe`; dynamo keeps among them every input tensor's guard and every guard that ever sent
+a call to another graph). Each model's step keeps its own graphs (`isolate_recompiles`), so another model's graphs
+are never candidates. That stance is process-wide while a step runs: a step of another model in another thread at
+that instant skips its guards too.
 """
 
 from __future__ import annotations
@@ -56,13 +60,25 @@ def frozen(device: torch.device):
     return torch._inductor.config.patch({"freezing": True, "cpp.weight_prepack": False})
 
 
-def compile_step(step, device: torch.device, isolate: bool = False):
+def compile_step(step, device: torch.device, isolate: bool = False, on_compile=None):
     """`step` compiled as a decode step is: one graph of static shapes; on CUDA a CUDA graph, on CPU called from a
-    C++ wrapper (0.3-0.5 ms less per step than inductor's Python one). `isolate`: its own compiled graphs."""
+    C++ wrapper (0.3-0.5 ms less per step than inductor's Python one). `isolate`: its own compiled graphs.
+    `on_compile(graph, example_inputs, compiled)` (CPU): told of each graph inductor compiles for `step`, with the
+    inputs it was traced with and the callable that runs it (dynamo calls it as `compiled(*inputs)`)."""
     own = {"isolate_recompiles": True} if isolate and ISOLATES else {}
     if device.type == "cuda":
         return torch.compile(step, fullgraph=True, dynamic=False, mode="reduce-overhead", **own)
-    return torch.compile(step, fullgraph=True, dynamic=False, options={"cpp_wrapper": True}, **own)
+    if on_compile is None:
+        return torch.compile(step, fullgraph=True, dynamic=False, options={"cpp_wrapper": True}, **own)
+
+    def inductor(graph: torch.fx.GraphModule, example_inputs: list):
+        from torch._inductor.compile_fx import compile_fx
+
+        compiled = compile_fx(graph, example_inputs, config_patches={"cpp_wrapper": True})
+        on_compile(graph, example_inputs, compiled)
+        return compiled
+
+    return torch.compile(step, fullgraph=True, dynamic=False, backend=inductor, **own)
 
 
 class CompiledDecode:
@@ -71,7 +87,10 @@ class CompiledDecode:
         needs no logits, `moe.engine.replicated`); it returns the hidden states."""
         self.model = model
         self.device = model.norm.weight.device
-        self.step = compile_step(model.decode_step if head else model.decode_hidden, self.device, isolate=True)
+        self.step = compile_step(model.decode_step if head else model.decode_hidden, self.device, isolate=True,
+                                 on_compile=self.keep_graph)
+        self.direct: dict[tuple, tuple] = {}  # signature -> (its compiled graph, the role of each of its inputs)
+        self.just_compiled: tuple | None = None  # what `keep_graph` was told during the current call
         self.slot = torch.zeros(1, dtype=torch.long, device=self.device)  # the step's cache slot, set in place
         self.inputs: dict[str, torch.Tensor] = {}  # the step's tokens and padding, copied in (`own`)
         self.caches: dict[str, KVCache] | None = None
@@ -114,14 +133,42 @@ class CompiledDecode:
                 mine = self.inputs[name] = torch.empty_like(value, device=self.device)
         return mine.copy_(value)
 
+    def roles(self) -> dict[int, tuple]:
+        """The step's input tensors, each by its role: ("tokens",), ("pad",), ("slot",), ("k", block), ("v", block)."""
+        named = {("tokens",): self.inputs.get("tokens"), ("pad",): self.inputs.get("pad"), ("slot",): self.slot}
+        for name, cache in (self.caches or {}).items():
+            named[("k", name)], named[("v", name)] = cache.k, cache.v
+        return {id(t): role for role, t in named.items() if t is not None}
+
+    def keep_graph(self, graph: torch.fx.GraphModule, example_inputs: list, compiled) -> None:
+        """Keeps the graph just compiled for direct calls if it returns the step's one tensor and takes nothing but
+        the step's inputs, known by their roles (otherwise the signature stays with dynamo)."""
+        outputs = next(n for n in graph.graph.nodes if n.op == "output").args[0]
+        roles = self.roles()
+        if len(outputs) == 1 and all(id(t) in roles for t in example_inputs):
+            self.just_compiled = (compiled, [roles[id(t)] for t in example_inputs])
+
+    def argument(self, role: tuple) -> torch.Tensor:
+        """This call's tensor of `role` (a later request may bring new caches or token buffers of the same shapes)."""
+        if role[0] in ("k", "v"):
+            cache = self.caches[role[1]]
+            return cache.k if role[0] == "k" else cache.v
+        return self.slot if role[0] == "slot" else self.inputs[role[0]]
+
     def __call__(self, tokens_B1: torch.Tensor, start: int, pad_B: torch.Tensor | None) -> torch.Tensor:
         self.slot.fill_(start)
         tokens_B1, pad_B = self.own("tokens", tokens_B1), self.own("pad", pad_B)
         key = self.signature(tokens_B1, pad_B)
+        if key in self.direct:
+            compiled, roles = self.direct[key]
+            return compiled(*[self.argument(role) for role in roles])[0]
         if key in self.seen and SKIPS_GUARDS:
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
                 return self.step(tokens_B1, self.slot, self.caches, pad_B)
+        self.just_compiled = None
         with frozen(self.device):
             logits = self.step(tokens_B1, self.slot, self.caches, pad_B)  # every guard; compiles a new signature
         self.seen.add(key)
+        if self.just_compiled is not None:
+            self.direct[key], self.just_compiled = self.just_compiled, None
         return logits
