@@ -300,6 +300,11 @@ class MoEFeedForward(nn.Module):
         # False on all but one of the ranks that route the same tokens (tensor parallelism, redundant attention):
         # neither the copies nor the entropy are counted there.
         self.counts_load = True
+        # Copies this rank's experts computed (or their slice of), for measured load reports where the experts are
+        # spread (`counts_received`, set by `moe.parallel.sharding`). A buffer updated in place, on device: a
+        # compiled step updates it inside its graph, as it does `load_counts`.
+        self.register_buffer("received_rows", torch.zeros((), dtype=torch.long), persistent=False)
+        self.counts_received = False
 
     def forward(self, x_TD: torch.Tensor, decoding: bool = False) -> torch.Tensor:
         weights_TK, ids_TK = self.gate(x_TD, self.counts_load)
@@ -311,5 +316,8 @@ class MoEFeedForward(nn.Module):
         """The routed tokens through their experts, wherever those live. A rank with no tokens of its own
         calls this with empty tensors to take part in the exchanges."""
         rows_ND, counts_El, meta = self.dispatcher.dispatch(x_TD, weights_TK, ids_TK)
+        if self.counts_received:  # rows per local expert: on device, or on the host after an all-to-all
+            # add_, not +=: `+=` also stores the attribute, which dynamo replays outside a compiled step's graph
+            self.received_rows.add_(counts_El.sum() if isinstance(counts_El, torch.Tensor) else sum(counts_El))
         y_ND = self.experts(rows_ND, counts_El)
         return self.dispatcher.combine(y_ND, meta)

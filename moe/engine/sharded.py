@@ -216,7 +216,7 @@ class ShardedEngine:
         counts, entropy = local_load_stats(self.model)
         received = torch.zeros(len(self.model.layers), self.dist.world_size, dtype=torch.float64)
         for i, block in enumerate(self.model.layers.values()):
-            received[i, self.rank] = block.feed_forward.dispatcher.received
+            received[i, self.rank] = float(block.feed_forward.received_rows)  # a host read: only for reports
         packed = torch.cat([counts.double().reshape(-1), received.reshape(-1), entropy])
         packed = self.dist.all_reduce(packed.to(self.dist.device)).cpu()
         n = counts.numel()
@@ -226,7 +226,7 @@ class ShardedEngine:
     def reset_load_stats(self) -> None:
         reset_load_stats(self.model)
         for block in self.model.layers.values():
-            block.feed_forward.dispatcher.reset_received()
+            block.feed_forward.received_rows.zero_()
 
     def set_round_robin(self, enabled: bool) -> None:
         set_round_robin(self.model, enabled)

@@ -117,7 +117,6 @@ class AllToAllDispatcher:
         self.table, self.dist = table, dist
         self.n_local = len(table.local[dist.rank])
         self.last_split_sizes: tuple[list[int], list[int]] = ([], [])  # (sent, received) rows, for inspection
-        self.received_rows = 0  # token copies this rank's experts computed, for measured load reports
 
     def dispatch(self, x_TD: torch.Tensor, weights_TK: torch.Tensor,
                  ids_TK: torch.Tensor) -> tuple[torch.Tensor, list[int], Exchanged]:
@@ -135,20 +134,11 @@ class AllToAllDispatcher:
         received_R = [sum(row) for row in recv_RM_host]
         per_expert = [sum(row[m] for row in recv_RM_host) for m in range(self.n_local)]
         self.last_split_sizes = (sent_R, received_R)
-        self.received_rows += sum(received_R)
         token_N = order_N // max(slot_TK.shape[1], 1)
         rows = exchange(x_TD[token_N], received_R, sent_R, self.dist)  # [received, D], by (source, slot)
         by_slot = chunk_order(recv_RM, sum(received_R))
         meta = Exchanged(token_N, weights_TK.reshape(-1)[order_N], x_TD.shape[0], sent_R, received_R, by_slot)
         return rows[by_slot], per_expert, meta
-
-    @property
-    def received(self) -> int:
-        """Copies this rank's experts computed (for measured load reports)."""
-        return self.received_rows
-
-    def reset_received(self) -> None:
-        self.received_rows = 0
 
     def combine(self, y_ND: torch.Tensor, meta: Exchanged) -> torch.Tensor:
         y_back = y_ND[torch.argsort(meta.by_slot_M)]  # back to (source, slot) order

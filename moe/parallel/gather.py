@@ -64,7 +64,6 @@ class ExchangeDispatcher(AllToAllDispatcher):
     def __init__(self, table: SlotTable, dist: DistContext, step: StepRows) -> None:
         super().__init__(table, dist)
         self.step = step
-        self.gathered_rows = torch.zeros((), dtype=torch.long, device=dist.device)  # on device: no sync to count
 
     def dispatch(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor):
         if self.step.everywhere:  # every rank routed the same rows alike: nothing to move
@@ -86,7 +85,6 @@ class ExchangeDispatcher(AllToAllDispatcher):
         local_RK = torch.where(mine, slot_RK % M, M)
         g = group_by_expert(local_RK, M + 1)
         counts = g.counts_E[:self.n_local]
-        self.gathered_rows += counts.sum()
         weight_N = torch.where(mine.reshape(-1), w_RK.reshape(-1), 0.0)[g.order_N]
         meta = Gathered(g.token_N, weight_N, x_RD.shape[0], own_rows=own_rows, everywhere=everywhere)
         return x_RD[g.token_N], counts, meta
@@ -99,15 +97,6 @@ class ExchangeDispatcher(AllToAllDispatcher):
         if meta.everywhere:
             return self.dist.sum_in_rank_order(partial)
         return self.dist.reduce_scatter(partial)[:meta.own_rows]
-
-    @property
-    def received(self) -> int:
-        """Copies this rank's experts computed, both paths (read on the host: only for reports)."""
-        return self.received_rows + int(self.gathered_rows)
-
-    def reset_received(self) -> None:
-        self.received_rows = 0
-        self.gathered_rows.zero_()
 
 
 def pack(x_TD: torch.Tensor, weights_TK: torch.Tensor, slot_TK: torch.Tensor, most: int) -> torch.Tensor:

@@ -78,6 +78,7 @@ def connect_ranks(model: Transformer, placement: Placement, dist: DistContext, s
     for (name, block), s in zip(model.layers.items(), strategies, strict=True):
         if s.attention == "tensor" and dist.rank in s.attention_ranks:
             reduce_attention_output(model, name, s.attention_ranks, dist)
+        block.feed_forward.counts_received = True
         if s.local_tensor_experts:
             block.feed_forward.dispatcher = TensorDispatcher(model.cfg.n_experts, s.expert_groups[0], dist)
             continue

@@ -96,18 +96,6 @@ class TensorDispatcher(LocalDispatcher):
     def __init__(self, n_experts: int, ranks: tuple[int, ...], dist: DistContext) -> None:
         super().__init__(n_experts)
         self.ranks, self.dist = ranks, dist
-        self.received_rows = 0  # copies this rank computed its slice of (host-known sizes: no sync)
-
-    def dispatch(self, x_TD, weights_TK, ids_TK):
-        self.received_rows += ids_TK.numel()
-        return super().dispatch(x_TD, weights_TK, ids_TK)
 
     def combine(self, y_ND: torch.Tensor, meta) -> torch.Tensor:
         return self.dist.all_reduce(weighted_sum(y_ND, meta), self.ranks)
-
-    @property
-    def received(self) -> int:
-        return self.received_rows
-
-    def reset_received(self) -> None:
-        self.received_rows = 0
