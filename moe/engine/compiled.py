@@ -68,14 +68,13 @@ def compile_step(step, device: torch.device, isolate: bool = False, on_compile=N
     own = {"isolate_recompiles": True} if isolate and ISOLATES else {}
     if device.type == "cuda":
         return torch.compile(step, fullgraph=True, dynamic=False, mode="reduce-overhead", **own)
-    if on_compile is None:
-        return torch.compile(step, fullgraph=True, dynamic=False, options={"cpp_wrapper": True}, **own)
 
-    def inductor(graph: torch.fx.GraphModule, example_inputs: list):
+    def inductor(graph: torch.fx.GraphModule, example_inputs: list):  # inductor, as torch.compile calls it
         from torch._inductor.compile_fx import compile_fx
 
         compiled = compile_fx(graph, example_inputs, config_patches={"cpp_wrapper": True})
-        on_compile(graph, example_inputs, compiled)
+        if on_compile is not None:
+            on_compile(graph, example_inputs, compiled)
         return compiled
 
     return torch.compile(step, fullgraph=True, dynamic=False, backend=inductor, **own)
