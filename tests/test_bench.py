@@ -12,6 +12,7 @@ import pytest
 from moe.bench.collectives import collective_cost
 from moe.bench.in_turns import LAYOUTS, REFERENCES, decode_steps_in_turns, memory_short, print_steps_in_turns
 from moe.bench.llama_cpp import combine
+from moe.bench.peer_turns import decode_in_turns, print_decode_in_turns, ratios
 from moe.bench.step_parts import compiled_step_parts, print_compiled_step_parts
 from moe.cli.bench import print_comparisons, print_products
 from tests.checkpoints import ROOT, SHIPPED
@@ -94,3 +95,23 @@ def test_a_compiled_two_rank_step_is_told_apart_into_its_sums_broadcast_and_comp
     out = capsys.readouterr().out
     assert "8 sums over ranks 2.00 (one: median 0.15 / p90 0.30 / max 5.00)" in out
     assert "computing 3.50 = 1.00x the compiled 1-rank step" in out
+
+
+def test_decode_in_turns_with_a_peer_sets_each_round_against_the_peer_of_that_round(capsys):
+    asked = []
+
+    def peer(new_tokens: int) -> float:  # a stand-in for llama-bench's generation test: 10 ms a token, then 20
+        asked.append(new_tokens)
+        return 0.010 * len(asked)
+
+    turns = decode_in_turns(str(SHIPPED), "float32", 1, peer, rounds=2, new_tokens=4, ours={"ours x1": {}})
+    assert asked == [4, 4] and set(turns["steps"]) == {"ours x1", "peer"} and len(turns["read_gbs"]) == 2
+    ours = turns["steps"]["ours x1"]
+    assert len(ours) == 2 and all(0 < s < 1 for s in ours)
+    assert ratios(turns, "ours x1") == [pytest.approx(0.010 / ours[0]), pytest.approx(0.020 / ours[1])]
+    print_decode_in_turns({"steps": {"ours x1": [0.004, 0.005, 0.006], "peer": [0.005, 0.005, 0.009]},
+                           "read_gbs": [40.0, 80.0, 60.0]}, "llama.cpp F32")
+    out = capsys.readouterr().out
+    assert "(3 rounds, order reversed every other round): ours x1 200.0 tok/s; llama.cpp F32 200.0 tok/s" in out
+    assert "read bandwidth 40.0-80.0 GB/s" in out
+    assert "ours x1 vs llama.cpp F32, round by round: 1.25, 1.00, 1.50x; median 1.25x" in out

@@ -61,15 +61,23 @@ class LlamaCpp:
 
     def run(self, gguf: Path, threads: int, repeats: int, prefill: int, new_tokens: int) -> dict:
         """llama-bench's prompt (`-p`) and generation (`-n`) tests: the median of `repeats` runs each."""
-        done = subprocess.run([str(self.bench), "-m", str(gguf), "-p", str(prefill), "-n", str(new_tokens),
-                               "-r", str(repeats), "-t", str(threads), "-o", "json"], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"llama-bench failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
-        tests = json.loads(done.stdout)
+        tests = self._bench(gguf, threads, "-p", str(prefill), "-n", str(new_tokens), "-r", str(repeats))
         prompt = next(t for t in tests if t["n_prompt"] == prefill and t["n_gen"] == 0)
         gen = next(t for t in tests if t["n_gen"] == new_tokens and t["n_prompt"] == 0)
         return combine([{"prefill_tokens": prefill, "prefill_samples": prompt["samples_ts"],
                          "decode_samples": gen["samples_ts"], "model_bytes": prompt["model_size"]}])
+
+    def decode_step(self, gguf: Path, threads: int, new_tokens: int) -> float:
+        """Seconds per token of one llama-bench generation test (`-p 0 -n new_tokens -r 1`, after its warm-up)."""
+        tests = self._bench(gguf, threads, "-p", "0", "-n", str(new_tokens), "-r", "1")
+        return 1 / next(t for t in tests if t["n_gen"] == new_tokens)["avg_ts"]
+
+    def _bench(self, gguf: Path, threads: int, *tests: str) -> list[dict]:
+        done = subprocess.run([str(self.bench), "-m", str(gguf), *tests, "-t", str(threads), "-o", "json"],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"llama-bench failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+        return json.loads(done.stdout)
 
 
 def combine(runs: list[dict]) -> dict:
@@ -81,3 +89,18 @@ def combine(runs: list[dict]) -> dict:
             "decode1_step_s": 1 / statistics.median(decode), "prefill_tokens": runs[0]["prefill_tokens"],
             "prefill_samples": prefill, "decode_samples": decode, "sessions": len(runs),
             "model_bytes": runs[0]["model_bytes"]}
+
+
+def print_peers(rows: dict) -> None:
+    """Our 1-rank rows against the llama.cpp row of the table (its sessions before and after our cases)."""
+    for name, peer in rows.items():
+        if not name.startswith("llama.cpp"):
+            continue
+        for ours_name in ("ours x1", "ours-compiled x1"):
+            one = rows.get(ours_name)
+            if one:
+                print(f"{ours_name} vs {name}: decode b1 {peer['decode1_step_s'] / one['decode1_step_s']:.2f}x, "
+                      f"prefill {peer['prefill_s'] / one['prefill_s']:.2f}x (> 1: ours faster)")
+        print(f"  llama-bench runs (before and after ours): decode "
+              f"{', '.join(f'{x:.1f}' for x in peer['decode_samples'])} tok/s, prefill "
+              f"{', '.join(f'{x:.0f}' for x in peer['prefill_samples'])} tok/s")

@@ -9,8 +9,8 @@ process on the same weights and thread count: this project on 1 rank (its defaul
 decode steps compiled, oneDNN-packed weights, torch's plain products) and on --gpus ranks (the automatic
 exchange, and all-to-all forced), and the peers named by --against: transformers' MixtralForCausalLM (when
 installed) and llama.cpp (`llama-bench` on the same weights converted to GGUF at the matching precision;
-moe.bench.llama_cpp; run before and after our cases, its figures the medians over both sessions). Figures are
-medians over --repeats runs. On N ranks it also counts, inside the rank processes, the collectives and host syncs
+moe.bench.llama_cpp; run before and after our cases, its figures the medians over both sessions; then batch-1
+decode in turns with our 1-rank models, moe.bench.peer_turns). Figures are medians over --repeats runs. On N ranks it also counts, inside the rank processes, the collectives and host syncs
 of a decode step.
 
 Bounds: decode against memory bandwidth (weight bytes a step must read / step time), over the copy
@@ -30,6 +30,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from moe.bench.llama_cpp import GGUF_NAMES, LlamaCpp, combine, print_peers
+from moe.bench.peer_turns import decode_in_turns, print_decode_in_turns
 from moe.bench.sizes import SIZES, write_sized_checkpoint
 from moe.bench.speed import (
     NEW_TOKENS,
@@ -135,20 +137,6 @@ def print_table(rows: dict, b: dict) -> None:
                   f"{100 * b1 / b['decode_read']:.0f}% of the read-bandwidth bound ({b['decode_read']:.0f} tok/s)")
 
 
-def print_peers(rows: dict) -> None:
-    for name, peer in rows.items():
-        if not name.startswith("llama.cpp"):
-            continue
-        for ours_name in ("ours x1", "ours-compiled x1"):
-            one = rows.get(ours_name)
-            if one:
-                print(f"{ours_name} vs {name}: decode b1 {peer['decode1_step_s'] / one['decode1_step_s']:.2f}x, "
-                      f"prefill {peer['prefill_s'] / one['prefill_s']:.2f}x (> 1: ours faster)")
-        print(f"  llama-bench runs (before and after ours): decode "
-              f"{', '.join(f'{x:.1f}' for x in peer['decode_samples'])} tok/s, prefill "
-              f"{', '.join(f'{x:.0f}' for x in peer['prefill_samples'])} tok/s")
-
-
 def print_products(products: dict, rows: dict, b: dict) -> None:
     """The step's products alone against whole steps: what is left for everything else in a step (against the
     compiled figure where there is one: it has no Python between the calls)."""
@@ -249,6 +237,15 @@ def print_comparisons(rows: dict, gpus: int, cfg) -> None:
               f"{hf['decode8_step_s'] / one['decode8_step_s']:.2f}x, prefill {hf['prefill_s'] / one['prefill_s']:.2f}x")
 
 
+def llama_cpp_after_ours(args: argparse.Namespace, path: Path, llama: LlamaCpp, gguf: Path, before: dict,
+                         rows: dict) -> dict:
+    """llama.cpp's session after our cases (its table row is the medians of both sessions, before and after), then
+    batch-1 decode in turns with it (moe.bench.peer_turns). Returns the in-turns figures."""
+    after = llama.run(gguf, args.threads, args.repeats, PREFILL, NEW_TOKENS)
+    rows[f"llama.cpp {GGUF_NAMES[args.dtype]}"] = combine([before, after])
+    return decode_in_turns(str(path), args.dtype, args.threads, lambda n: llama.decode_step(gguf, args.threads, n))
+
+
 def main(args: argparse.Namespace) -> int:
     path = args.ckpt
     if path is None:
@@ -274,26 +271,20 @@ def main(args: argparse.Namespace) -> int:
             impls.append(("transformers", 1))
         except ImportError:
             print("transformers is not installed: not measured (pip install -e '.[bench]')")
-    llama = gguf = None
-    if "llama.cpp" in against:
-        from moe.bench.llama_cpp import LlamaCpp
-
-        llama = LlamaCpp.find(args.llama_cpp)
-        gguf = llama.to_gguf(path, args.dtype, args.workdir / "gguf")
+    llama = LlamaCpp.find(args.llama_cpp) if "llama.cpp" in against else None
+    gguf = llama.to_gguf(path, args.dtype, args.workdir / "gguf") if llama is not None else None
     warm_page_cache(path)
-    peer_runs = [llama.run(gguf, args.threads, args.repeats, PREFILL, NEW_TOKENS)] if llama is not None else []
+    before = llama.run(gguf, args.threads, args.repeats, PREFILL, NEW_TOKENS) if llama is not None else None
     rows = {}
     for impl, gpus in impls:
         r = run_case(args, impl, gpus, path)
         if r is not None:
             rows[f"{impl} x{gpus}"] = r
-    if llama is not None:  # before and after our cases: one row from both sessions
-        from moe.bench.llama_cpp import GGUF_NAMES, combine
-
-        peer_runs.append(llama.run(gguf, args.threads, args.repeats, PREFILL, NEW_TOKENS))
-        rows[f"llama.cpp {GGUF_NAMES[args.dtype]}"] = combine(peer_runs)
+    peer_turns = llama_cpp_after_ours(args, path, llama, gguf, before, rows) if llama is not None else None
     print_table(rows, bounds)
-    print_peers(rows)
+    if peer_turns is not None:
+        print_peers(rows)
+        print_decode_in_turns(peer_turns, f"llama.cpp {GGUF_NAMES[args.dtype]}")
     products = run_case(args, "ours-products", 1, path)
     if products is not None:
         print_products(products, rows, bounds)
@@ -304,7 +295,8 @@ def main(args: argparse.Namespace) -> int:
                                          "cpu": cpu_name(), "bandwidth_gbs": bounds["bandwidth"],
                                          "read_gbs": bounds["read"], "matmul_gflops": bounds["peaks"],
                                          "decode_bytes": bounds["step_bytes"], "new_tokens": NEW_TOKENS,
-                                         "prefill_tokens": PREFILL, "cases": rows, **n_ranks}, indent=1) + "\n")
+                                         "prefill_tokens": PREFILL, "cases": rows,
+                                         "decode_in_turns_with_peer": peer_turns, **n_ranks}, indent=1) + "\n")
     return 0
 
 
