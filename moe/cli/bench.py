@@ -10,8 +10,8 @@ decode steps compiled, oneDNN-packed weights, torch's plain products) and on --g
 exchange, and all-to-all forced), and the peers named by --against: transformers' MixtralForCausalLM (when
 installed) and llama.cpp (`llama-bench` on the same weights converted to GGUF at the matching precision;
 moe.bench.llama_cpp; run before and after our cases, its figures the medians over both sessions; then batch-1
-decode in turns with our 1-rank models, moe.bench.peer_turns). Figures are medians over --repeats runs. On N ranks it also counts, inside the rank processes, the collectives and host syncs
-of a decode step.
+decode in turns with our 1-rank models, moe.bench.peer_turns). Figures are medians over --repeats runs. On N
+ranks it also counts, inside the rank processes, the collectives and host syncs of a decode step.
 
 Bounds: decode against memory bandwidth (weight bytes a step must read / step time), over the copy
 bandwidth counted as bytes copied per second (the issue's definition) and over the read bandwidth (the
