@@ -30,10 +30,9 @@ def reference_of(name: str) -> str:
     return "1 rank, compiled" if LAYOUTS.get(name, REFERENCES.get(name, {})).get("compile") else "1 rank"
 
 
-def memory_short(path: str) -> str | None:
-    """Why every layout cannot be loaded at once here (each holds about the checkpoint's bytes over its ranks, more
-    with replicated attention), or None."""
-    models = len(REFERENCES) + len(LAYOUTS)
+def memory_short(path: str, models: int = len(REFERENCES) + len(LAYOUTS)) -> str | None:
+    """Why `models` models (by default every layout) cannot be loaded at once here (each holds about the checkpoint's
+    bytes over its ranks, more with replicated attention), or None."""
     need = 1.3 * models * sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
     free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     if need > free:

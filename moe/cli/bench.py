@@ -30,8 +30,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from moe.bench.in_turns import memory_short
 from moe.bench.llama_cpp import GGUF_NAMES, LlamaCpp, combine, print_peers
-from moe.bench.peer_turns import decode_in_turns, print_decode_in_turns
+from moe.bench.peer_turns import OURS, decode_in_turns, print_decode_in_turns
 from moe.bench.sizes import SIZES, write_sized_checkpoint
 from moe.bench.speed import (
     NEW_TOKENS,
@@ -176,7 +177,7 @@ def print_exchange_counts(path: Path, args: argparse.Namespace) -> None:
 def print_n_ranks(path: Path, args: argparse.Namespace, cfg) -> dict:
     """N ranks: their collectives per block, their batch-1 steps measured in turns with the 1-rank step, where a
     compiled one goes, and what one collective costs here. Returns the figures for the JSON."""
-    from moe.bench.in_turns import decode_steps_in_turns, memory_short, print_steps_in_turns
+    from moe.bench.in_turns import decode_steps_in_turns, print_steps_in_turns
     from moe.bench.step_parts import compiled_step_parts, print_compiled_step_parts
 
     print_exchange_counts(path, args)
@@ -238,11 +239,14 @@ def print_comparisons(rows: dict, gpus: int, cfg) -> None:
 
 
 def llama_cpp_after_ours(args: argparse.Namespace, path: Path, llama: LlamaCpp, gguf: Path, before: dict,
-                         rows: dict) -> dict:
+                         rows: dict) -> dict | None:
     """llama.cpp's session after our cases (its table row is the medians of both sessions, before and after), then
-    batch-1 decode in turns with it (moe.bench.peer_turns). Returns the in-turns figures."""
+    batch-1 decode in turns with it (moe.bench.peer_turns). Returns the in-turns figures (None: memory too short)."""
     after = llama.run(gguf, args.threads, args.repeats, PREFILL, NEW_TOKENS)
     rows[f"llama.cpp {GGUF_NAMES[args.dtype]}"] = combine([before, after])
+    if (short := memory_short(str(path), len(OURS))) is not None:
+        print(f"decode b1 in turns with llama.cpp: not measured ({short})")
+        return None
     return decode_in_turns(str(path), args.dtype, args.threads, lambda n: llama.decode_step(gguf, args.threads, n))
 
 
@@ -282,8 +286,9 @@ def main(args: argparse.Namespace) -> int:
             rows[f"{impl} x{gpus}"] = r
     peer_turns = llama_cpp_after_ours(args, path, llama, gguf, before, rows) if llama is not None else None
     print_table(rows, bounds)
-    if peer_turns is not None:
+    if llama is not None:
         print_peers(rows)
+    if peer_turns is not None:
         print_decode_in_turns(peer_turns, f"llama.cpp {GGUF_NAMES[args.dtype]}")
     products = run_case(args, "ours-products", 1, path)
     if products is not None:
