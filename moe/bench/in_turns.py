@@ -40,6 +40,22 @@ def memory_short(path: str, models: int = len(REFERENCES) + len(LAYOUTS)) -> str
     return None
 
 
+def warm_up(model, vocab: int) -> None:
+    """A first short batch-1 request, before any is timed (a compiled model compiles its signatures)."""
+    model.generate(prompts(1, DECODE_PROMPT, vocab), max_new_tokens=4, ignore_eos=True)
+
+
+def batch1_step(model, vocab: int, seed: int, new_tokens: int) -> tuple[float, list]:
+    """(Seconds per decode step, the tokens) of one generation of `new_tokens` after a DECODE_PROMPT-token prompt."""
+    tokens = model.generate(prompts(1, DECODE_PROMPT, vocab, seed), max_new_tokens=new_tokens, ignore_eos=True)
+    return model.last_result.decode_seconds / (new_tokens - 1), tokens
+
+
+def turn_order(names: list[str], r: int) -> list[str]:
+    """Round r's order: reversed every other round, so that no one always runs right after the same neighbour."""
+    return names if r % 2 == 0 else names[::-1]
+
+
 def decode_steps_in_turns(path: str, dtype: str, gpus: int, threads: int, rounds: int = 8,
                           new_tokens: int = 64) -> tuple[dict[str, float], list[str]]:
     """({"1 rank": median step seconds, "1 rank, compiled": ..., layout: ...}, the layouts whose greedy tokens
@@ -55,17 +71,15 @@ def decode_steps_in_turns(path: str, dtype: str, gpus: int, threads: int, rounds
             models[name] = MoEModel.from_pretrained(path, dtype=dtype, gpus=gpus, threads=max(1, threads // gpus),
                                                     **options)
         vocab = models["1 rank"].config.vocab_size
-        for model in models.values():  # warm-up
-            model.generate(prompts(1, DECODE_PROMPT, vocab), max_new_tokens=4, ignore_eos=True)
+        for model in models.values():
+            warm_up(model, vocab)
         steps: dict[str, list[float]] = {name: [] for name in models}
         differ: set[str] = set()
         for r in range(rounds):
-            turns = list(models.items())
             tokens = {}
-            for name, model in turns if r % 2 == 0 else turns[::-1]:
-                tokens[name] = model.generate(prompts(1, DECODE_PROMPT, vocab, r), max_new_tokens=new_tokens,
-                                              ignore_eos=True)
-                steps[name].append(model.last_result.decode_seconds / (new_tokens - 1))
+            for name in turn_order(list(models), r):
+                step, tokens[name] = batch1_step(models[name], vocab, r, new_tokens)
+                steps[name].append(step)
             differ |= {name for name, out in tokens.items() if out != tokens[reference_of(name)]}
         return {name: statistics.median(s) for name, s in steps.items()}, [n for n in LAYOUTS if n in differ]
     finally:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
-from moe.bench.speed import DECODE_PROMPT, NEW_TOKENS, prompts, read_bandwidth
+from moe.bench.in_turns import batch1_step, turn_order, warm_up
+from moe.bench.speed import NEW_TOKENS, read_bandwidth
 
 OURS = {"ours x1": {}, "ours-compiled x1": {"compile": True}}
 
@@ -27,21 +28,15 @@ def decode_in_turns(path: str, dtype: str, threads: int, peer: Callable[[int], f
         for name, options in ours.items():
             models[name] = MoEModel.from_pretrained(path, dtype=dtype, threads=threads, **options)
         vocab = next(iter(models.values())).config.vocab_size
-        for model in models.values():  # warm-up (the compiled model compiles its signatures)
-            model.generate(prompts(1, DECODE_PROMPT, vocab), max_new_tokens=4, ignore_eos=True)
-
-        def step(name: str, r: int) -> float:
-            if name == "peer":
-                return peer(new_tokens)
-            models[name].generate(prompts(1, DECODE_PROMPT, vocab, r), max_new_tokens=new_tokens, ignore_eos=True)
-            return models[name].last_result.decode_seconds / (new_tokens - 1)
-
+        for model in models.values():
+            warm_up(model, vocab)
         names = [*models, "peer"]
         steps: dict[str, list[float]] = {name: [] for name in names}
         read = []
         for r in range(rounds):
-            for name in names if r % 2 == 0 else names[::-1]:
-                steps[name].append(step(name, r))
+            for name in turn_order(names, r):
+                step = peer(new_tokens) if name == "peer" else batch1_step(models[name], vocab, r, new_tokens)[0]
+                steps[name].append(step)
             read.append(read_bandwidth(threads, mib=256, repeats=5))
         return {"steps": steps, "read_gbs": read}
     finally:
@@ -57,11 +52,12 @@ def ratios(turns: dict, name: str) -> list[float]:
 def print_decode_in_turns(turns: dict, peer_name: str) -> None:
     steps = turns["steps"]
     rounds = len(steps["peer"])
-    speeds = "; ".join(f"{name} {1 / statistics.median(s):.1f} tok/s" for name, s in steps.items() if name != "peer")
+    ours = [name for name in steps if name != "peer"]
+    speeds = "; ".join(f"{name} {1 / statistics.median(steps[name]):.1f} tok/s" for name in ours)
     print(f"decode b1 in turns with {peer_name} ({rounds} rounds, order reversed every other round): {speeds}; "
           f"{peer_name} {1 / statistics.median(steps['peer']):.1f} tok/s; read bandwidth "
           f"{min(turns['read_gbs']):.1f}-{max(turns['read_gbs']):.1f} GB/s")
-    for name in (name for name in steps if name != "peer"):
+    for name in ours:
         each = ratios(turns, name)
         print(f"  {name} vs {peer_name}, round by round: {', '.join(f'{x:.2f}' for x in each)}x; median "
               f"{statistics.median(each):.2f}x (> 1: ours faster)")

@@ -286,8 +286,7 @@ def main(args: argparse.Namespace) -> int:
             rows[f"{impl} x{gpus}"] = r
     peer_turns = llama_cpp_after_ours(args, path, llama, gguf, before, rows) if llama is not None else None
     print_table(rows, bounds)
-    if llama is not None:
-        print_peers(rows)
+    print_peers(rows)
     if peer_turns is not None:
         print_decode_in_turns(peer_turns, f"llama.cpp {GGUF_NAMES[args.dtype]}")
     products = run_case(args, "ours-products", 1, path)
