@@ -6,6 +6,7 @@ CPU otherwise. Nothing here reads the environment except `from_torchrun`, called
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -13,6 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+# Imported before any process group exists, on purpose: its functions take `group=group.WORLD` as a default, bound
+# when the module is imported, and torch.compile imports it. Imported after `init_process_group`, it would hold the
+# default group past `destroy_process_group`, and gloo's threads with it, into interpreter exit: there a worker
+# releasing a finished collective's tensors needs the GIL, and the process aborts ("terminate called", about one
+# run in twelve of 2 compiled torchrun ranks).
+import torch.distributed.nn.functional  # noqa: F401
 
 from moe.parallel.devices import agree_on_device, backend_for, resolve_device, torchrun_layout
 
@@ -186,6 +194,7 @@ class DistContext:
     def destroy(self) -> None:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
+        self.groups.clear()  # a group held here would keep its gloo threads running
 
 
 def _blocks_summed_in_order(parts: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -265,7 +274,9 @@ def from_torchrun(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) ->
     bound = _bind(kind, local_rank)
     dist.init_process_group(backend_for(kind), store=store, rank=rank, world_size=world_size, timeout=timeout,
                             device_id=bound if kind == "cuda" else None)
-    return DistContext(rank, world_size, bound, backend_for(kind)), True
+    made = DistContext(rank, world_size, bound, backend_for(kind))
+    atexit.register(made.destroy)  # for a script that never closes its model: gloo's threads end before exit
+    return made, True
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -127,6 +127,7 @@ def worker_main(conn, rank: int, world_size: int, port: int, threads: int, spec:
             lower_gloo_io_threads()
         conn.send(("ok", READY, load_report(engine.model, stats, baseline, dist.device, dist.backend)))
         serve(engine, conn)
+        dist.destroy()  # gloo's threads end here rather than during interpreter exit (moe.parallel.distributed)
     except BaseException as e:  # report, then exit: the parent stops the other ranks
         kind = "user" if isinstance(e, USER_ERRORS) else "fault"
         detail = "" if kind == "user" else traceback.format_exc(limit=-3)
