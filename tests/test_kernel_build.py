@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 
 import pytest
 from torch.utils import cpp_extension
 
 from models import matvec
+from tests.checkpoints import ROOT
 
 
 def test_the_cpu_kernels_build_where_a_compiler_and_ninja_are_present():
@@ -19,3 +21,29 @@ def test_the_cpu_kernels_build_where_a_compiler_and_ninja_are_present():
     if not cpp_extension.is_ninja_available():
         pytest.skip("no ninja here")
     assert matvec.available(), matvec.why_unavailable()
+
+
+def _load_in_a_process(**env) -> str:
+    code = ("import sys; from models import matvec; "
+            "print(matvec.available(), 'torch.utils.cpp_extension' in sys.modules, matvec.why_unavailable())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_a_process_loads_the_kernels_built_before_without_torchs_build_machinery():
+    if not matvec.available():
+        pytest.skip(f"the CPU kernels do not build here: {matvec.why_unavailable()}")
+    assert _load_in_a_process() == "True False"  # no import of cpp_extension, no ninja: built before, loaded
+
+
+def test_a_build_cut_short_is_linked_again(tmp_path):
+    if not matvec.available():
+        pytest.skip(f"the CPU kernels do not build here: {matvec.why_unavailable()}")
+    library = matvec.built_library()
+    shutil.copytree(library.parent, tmp_path / library.parent.name)  # the objects stay: only the link runs again
+    cut = tmp_path / library.parent.name / library.name
+    cut.write_bytes(b"\x7fELF cut short")
+    assert _load_in_a_process(TORCH_EXTENSIONS_DIR=str(tmp_path)) == "True True"  # built (linked) again, loaded
+    assert cut.stat().st_size > 1000
