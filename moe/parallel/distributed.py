@@ -18,8 +18,8 @@ import torch.distributed as dist
 # Imported before any process group exists, on purpose: its functions take `group=group.WORLD` as a default, bound
 # when the module is imported, and torch.compile imports it. Imported after `init_process_group`, it would hold the
 # default group past `destroy_process_group`, and gloo's threads with it, into interpreter exit: there a worker
-# releasing a finished collective's tensors needs the GIL, and the process aborts ("terminate called", about one
-# run in twelve of 2 compiled torchrun ranks).
+# releasing a finished collective's tensors needs the GIL, and the process aborts ("terminate called": rank 0 of 2
+# compiled torchrun ranks, now and then; `tests/test_group_shutdown.py`).
 import torch.distributed.nn.functional  # noqa: F401
 
 from moe.parallel.devices import agree_on_device, backend_for, resolve_device, torchrun_layout
