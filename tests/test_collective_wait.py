@@ -18,7 +18,7 @@ import torch
 
 from moe.parallel.distributed import init_process_group
 from moe.workers.group import run_ranks
-from moe.workers.rank import GLOO_IO_THREAD, lower_gloo_io_threads
+from moe.workers.rank import gloo_io_threads, lower_gloo_io_threads
 
 pytestmark = pytest.mark.multiprocess
 
@@ -93,9 +93,7 @@ def test_ranks_poll_only_on_cores_of_their_own():
 def _lowered(rank: int, world_size: int, port: int, out: str) -> None:
     dist = dataclasses.replace(init_process_group(rank, world_size, "127.0.0.1", port), poll=True)
     lowered = lower_gloo_io_threads()
-    tasks = Path("/proc/self/task")
-    nice = {int(t.name): os.getpriority(os.PRIO_PROCESS, int(t.name)) for t in tasks.iterdir()
-            if (t / "comm").read_text().strip() == GLOO_IO_THREAD}
+    nice = {tid: os.getpriority(os.PRIO_PROCESS, tid) for tid in gloo_io_threads()}
     summed = dist.sum_in_rank_order(torch.full((1, 4), float(rank + 1)))
     (Path(out) / f"rank{rank}.json").write_text(json.dumps({
         "lowered": lowered, "nice": sorted(nice.values()), "mine": os.getpriority(os.PRIO_PROCESS, 0),

@@ -17,16 +17,11 @@ import torch
 
 from moe.parallel.distributed import init_process_group
 from moe.workers.group import run_ranks
-from moe.workers.rank import GLOO_IO_THREAD
+from moe.workers.rank import gloo_io_threads
 from tests.checkpoints import TRAINED
 
 pytestmark = [pytest.mark.multiprocess,
               pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="threads are found in /proc (Linux)")]
-
-
-def gloo_io_threads() -> int:
-    tasks = Path("/proc/self/task")
-    return sum((t / "comm").read_text().strip() == GLOO_IO_THREAD for t in tasks.iterdir())
 
 
 def _left(rank: int, world_size: int, port: int, out: str) -> None:
@@ -35,10 +30,10 @@ def _left(rank: int, world_size: int, port: int, out: str) -> None:
     importlib.import_module("torch._dynamo")  # what torch.compile imports, here once the group exists
 
     summed = dist.all_reduce(torch.ones(2), ranks=(0, 1)) if rank < 2 else None
-    during = gloo_io_threads()
+    during = len(gloo_io_threads())
     dist.destroy()
     Path(out, f"rank{rank}.json").write_text(json.dumps({
-        "during": during, "after": gloo_io_threads(), "sum": None if summed is None else summed.tolist()}))
+        "during": during, "after": len(gloo_io_threads()), "sum": None if summed is None else summed.tolist()}))
 
 
 def test_destroying_the_group_ends_gloo_threads_after_torch_compile_imports(tmp_path):
@@ -51,15 +46,15 @@ def test_destroying_the_group_ends_gloo_threads_after_torch_compile_imports(tmp_
 
 TORCHRUN_SCRIPT = f"""
 import atexit, sys
-from tests.test_group_shutdown import gloo_io_threads
-atexit.register(lambda: print(f"gloo threads at exit: {{gloo_io_threads()}}", flush=True))  # runs after the model's
+from moe.workers.rank import gloo_io_threads
+atexit.register(lambda: print(f"gloo threads at exit: {{len(gloo_io_threads())}}", flush=True))  # runs after ours
 from moe import MoEModel
 model = MoEModel.from_pretrained({str(TRAINED)!r}, attention="replicated", compile=True)
 model.generate(["It is a truth"], max_new_tokens=4)
-print(f"gloo threads while loaded: {{gloo_io_threads()}}", flush=True)
+print(f"gloo threads while loaded: {{len(gloo_io_threads())}}", flush=True)
 if sys.argv[1] == "close":
     model.close()
-    print(f"gloo threads after close: {{gloo_io_threads()}}", flush=True)
+    print(f"gloo threads after close: {{len(gloo_io_threads())}}", flush=True)
 """
 
 
