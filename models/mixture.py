@@ -122,8 +122,9 @@ class GroupedExperts(nn.Module):
             self.prompts = self.streamed and weights.prompt_kernel(w1)
             self.offsets_on_device = w1.device.type == "cuda" and w1.dtype == torch.bfloat16  # _grouped_mm's case
         elif fmt is weights.Int8 and weights.streams(w1, kernels):  # quantized as stacks, likewise
-            q13, s13 = weights.quantize_each([torch.cat([w1[e], w3[e]]) for e in experts])
-            q2, s2 = weights.quantize_each(list(w2))
+            E, F, D = w1.shape
+            q13, s13 = weights.quantize_each((torch.cat([w1[e], w3[e]]) for e in experts), (E, 2 * F, D), w1.device)
+            q2, s2 = weights.quantize_each(w2, w2.shape, w2.device)
             self.stacks, self.scales, self.streamed = (q13, q2), (s13, s2), True
             self.prompts = matvec.prompts()
             self.kernels = [(weights.Int8(q13[e], s13[e], w1.dtype, True), weights.Int8(q2[e], s2[e], w1.dtype, True))

@@ -22,6 +22,8 @@ The original parameters keep their names and shapes on the meta device; `dense()
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -142,10 +144,12 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
-def quantize_each(weights_E: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stacked (q [E, out, in], scale [E, out]), quantized one weight at a time (one fp32 copy at a time)."""
-    q = torch.empty((len(weights_E), *weights_E[0].shape), dtype=torch.int8, device=weights_E[0].device)
-    scale = torch.empty(q.shape[:2], device=q.device)
+def quantize_each(weights_E: Iterable[torch.Tensor], shape: tuple[int, int, int],
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked (q [E, out, in], scale [E, out]) of E weights, quantized as they come (one weight and its fp32
+    copy at a time). E may be 0: a rank that holds none of a block's experts."""
+    q = torch.empty(shape, dtype=torch.int8, device=device)
+    scale = torch.empty(q.shape[:2], device=device)
     for e, w in enumerate(weights_E):
         q[e], scale[e] = quantize(w)
     return q, scale

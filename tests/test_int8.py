@@ -121,6 +121,18 @@ def test_int8_on_two_ranks_matches_one(bf16_and_int8):
         assert (two(ids).float() - one(ids).float()).abs().max().item() < 0.1  # bf16 activations: sums' order
 
 
+@pytest.mark.multiprocess
+def test_int8_on_ranks_that_hold_none_of_a_blocks_experts(bf16_and_int8):
+    """Each block whole on one rank (experts split over a group of one): the other rank quantizes no expert of it."""
+    _, one = bf16_and_int8
+    n = one.config.n_layers
+    plan = {"world_size": 2, "embed_rank": 0, "head_rank": 1,
+            "blocks": [{"attention": "layer", "ranks": [r], "experts": "tensor", "groups": [[r]]}
+                       for r in (0,) * (n // 2) + (1,) * (n - n // 2)]}
+    with MoEModel.from_pretrained(TRAINED, dtype="int8", gpus=2, placement=plan) as two:
+        assert two.generate(PROMPTS, max_new_tokens=16) == one.generate(PROMPTS, max_new_tokens=16)
+
+
 def test_int8_models_refuse_to_save_and_stay_usable(bf16_and_int8, tmp_path):
     _, int8 = bf16_and_int8
     with pytest.raises(ValueError, match="int8 model cannot be saved"):
