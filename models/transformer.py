@@ -55,10 +55,23 @@ class Transformer(nn.Module):
         self.output = Linear(cfg.dim, cfg.vocab_size)
         self.rotary = RotaryTable(cfg)
 
+    @property
+    def held_blocks(self) -> list[str]:
+        """The blocks whose attention this model holds: every block, or a pipeline rank's range of them."""
+        return [name for name, block in self.layers.items() if block.attention is not None]
+
+    @property
+    def device(self) -> torch.device:
+        """Where this model's weights are: its first held block's norm's (a pipeline rank may hold neither the
+        embedding nor the head)."""
+        return self.layers[self.held_blocks[0]].attention_norm.weight.device
+
     def make_caches(self, batch: int, length: int) -> dict[str, KVCache]:
-        p = self.tok_embeddings.weight if self.tok_embeddings is not None else next(self.parameters())
+        """A cache for each held block."""
+        held = self.held_blocks
+        p = self.layers[held[0]].attention_norm.weight if self.tok_embeddings is None else self.tok_embeddings.weight
         return {name: KVCache(batch, self.cfg.n_kv_heads, length, self.cfg.head_dim, p.dtype, p.device)
-                for name in self.layers}
+                for name in held}
 
     def forward(self, tokens_BS: torch.Tensor, start: int = 0, caches: dict[str, KVCache] | None = None,
                 padding: Padding | None = None, last_only: bool = False) -> torch.Tensor:
@@ -92,12 +105,14 @@ class Transformer(nn.Module):
 
     def decode_hidden(self, tokens_B1: torch.Tensor, slot: torch.Tensor, caches: dict[str, KVCache],
                       pad_B: torch.Tensor | None) -> torch.Tensor:
-        """`decode_step` without the head: the last block's output [B, 1, D] (a rank that needs no logits)."""
-        h = self.tok_embeddings(tokens_B1)
+        """`decode_step` without the head: the output [B, 1, D] of the blocks that have a cache in `caches`, in
+        order (every block, or a pipeline rank's range of them). A model without the embedding (a later pipeline
+        rank) takes the previous range's output [B, 1, D] instead of token ids."""
+        h = self.tok_embeddings(tokens_B1) if self.tok_embeddings is not None else tokens_B1
         length = next(iter(caches.values())).k.shape[2]
         ctx = AttentionContext.at_slot(self.cfg, self.rotary, tokens_B1.shape[0], slot, length, pad_B, h.dtype)
-        for name, block in self.layers.items():
-            h = block(h, ctx, caches[name])
+        for name, cache in caches.items():
+            h = self.layers[name](h, ctx, cache)
         return h
 
 

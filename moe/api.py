@@ -23,8 +23,8 @@ from moe.checkpoint.formats import detect
 from moe.checkpoint.loader import INT8, activation_dtype, parse_precision
 from moe.engine.base import Engine
 from moe.engine.build import build_model
+from moe.engine.layouts import compilable_plan
 from moe.engine.local import LocalEngine
-from moe.engine.replicated import compilable_plan
 from moe.generation import SamplingParams, check_prompts
 from moe.memory import MemoryUse, available_mib, peak_memory_mib
 from moe.parallel.devices import ranks_device
@@ -86,6 +86,9 @@ def check_options(gpus: int, cpu_kernels: str, attention: str, experts: str, exc
         raise ValueError(f"attention={attention!r}: use one of {', '.join(ATTENTION_STRATEGIES)}")
     if experts not in EXPERT_STRATEGIES:
         raise ValueError(f"experts={experts!r}: use one of {', '.join(EXPERT_STRATEGIES)}")
+    if experts == "layer" and attention != "layer":
+        raise ValueError(f"experts='layer' (each block's experts on its owner) needs attention='layer', "
+                         f"got {attention!r}")
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange={exchange!r}: use one of {', '.join(EXCHANGES)}")
     if compile not in (True, False):
@@ -121,7 +124,8 @@ class MoEModel:
         `attention` and `experts` shard every block one way over all N ranks (the placement file can say it per
         block, `moe.parallel.strategies`): attention "layer" (one owner per block, default), "replicated" (every
         rank holds the dense weights and runs its own slice of the batch) or "tensor" (heads split over the ranks);
-        experts "expert" (whole experts placed, default) or "tensor" (each expert's hidden dimension split).
+        experts "expert" (whole experts placed, default), "tensor" (each expert's hidden dimension split) or "layer"
+        (every expert on its block's owner: a pipeline of whole blocks, with attention "layer").
         `cpu_kernels="auto"` (on CPU) runs decode steps through
         the project's streaming matrix-vector kernel (built once per torch installation, `models.matvec`) and prompts
         through oneDNN; "onednn" keeps linear weights in oneDNN's packed layout for every product (what "auto"
@@ -130,7 +134,8 @@ class MoEModel:
         steps through `torch.compile` with every shape static (`moe.engine.compiled`; a CUDA graph on GPUs): the
         first step of each batch size compiles (tens of seconds on a CPU), later ones run the graph. On N ranks it
         needs `attention="replicated"` (and `exchange="auto"`, no expert replicas), and compiles the steps of a batch
-        smaller than the ranks, which every rank runs whole (`moe.engine.replicated`); larger batches run eager.
+        smaller than the ranks, which every rank runs whole (`moe.engine.replicated`); larger batches run eager. Or
+        `experts="layer"` with each rank's blocks in one range: each rank's range compiled (`moe.engine.pipeline`).
         `exchange` (N ranks): "auto" gathers a step's few rows to every rank (two collectives per block, no sizes
         on the host) for decode and exchanges them by all-to-all for prefill; "gather" or "all-to-all" forces one.
         """

@@ -1,6 +1,7 @@
 """`compile=True` on N ranks: with attention replicated a lone sequence's decode step is the whole model on every
-rank, compiled with each block's sum over ranks as an opaque op. It gives the 1-rank tokens, counts the same loads
-as the eager ranks, leaves larger batches to the eager steps, and is refused where a rank runs part of a step."""
+rank, compiled with each block's sum over ranks as an opaque op; in a pipeline of whole blocks each rank's range is
+compiled. Both give the 1-rank tokens and count the same loads as the eager ranks; the replicated layout leaves
+larger batches to the eager steps; compile is refused where a rank would run part of a block."""
 
 from __future__ import annotations
 
@@ -21,21 +22,31 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # each rank compiles 
 
 @pytest.mark.parametrize("experts", ["expert", "tensor"])
 def test_two_ranks_compiled_give_the_one_rank_tokens(experts):
-    one = MoEModel.from_pretrained(TRAINED)
     layout = dict(gpus=2, attention="replicated", experts=experts)
+    check_compiled_against_eager(MoEModel.from_pretrained(TRAINED), layout)  # a batch of 2 runs eager there
+
+
+def check_compiled_against_eager(one: MoEModel, layout: dict) -> None:
+    """The compiled ranks and the eager ones give `one`'s tokens (greedy, and sampled), and count the same copies
+    per expert and rows each rank computed."""
     with MoEModel.from_pretrained(TRAINED, **layout) as eager, \
             MoEModel.from_pretrained(TRAINED, compile=True, **layout) as compiled:
         assert compiled.info.compiled and not eager.info.compiled
-        for prompts in ([[1, 45, 312, 9, 77]], [[1, 700, 12, 13]], [[1, 45, 312, 9], [1, 8]]):  # the last: eager
+        for prompts in ([[1, 45, 312, 9, 77]], [[1, 700, 12, 13]], [[1, 45, 312, 9], [1, 8]]):
             want = one.generate(prompts, max_new_tokens=20, ignore_eos=True)
             assert compiled.generate(prompts, max_new_tokens=20, ignore_eos=True) == want, prompts
             assert eager.generate(prompts, max_new_tokens=20, ignore_eos=True) == want, prompts
         sampled = dict(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=3)
         assert compiled.generate(["And God said"], **sampled) == one.generate(["And God said"], **sampled)
         eager.generate(["And God said"], **sampled)
-        # The compiled steps count the copies per expert and the rows each rank computed as the eager ones do.
         ran, want = compiled.expert_load(), eager.expert_load()
         assert torch.equal(ran.counts, want.counts) and torch.equal(ran.received, want.received)
+
+
+@pytest.mark.parametrize("gpus", [2, 3])
+def test_a_pipeline_of_whole_blocks_compiled_gives_the_one_rank_tokens(gpus):
+    """Each rank's range of blocks compiled (the first from the tokens, the last to the logits), batches too."""
+    check_compiled_against_eager(MoEModel.from_pretrained(TRAINED), dict(gpus=gpus, experts="layer"))
 
 
 def test_compile_on_ranks_that_run_part_of_a_step_is_refused():
@@ -49,6 +60,10 @@ def test_compile_on_ranks_that_run_part_of_a_step_is_refused():
                 "expert_ranks": [[[0, 1], [0], [0], [0], [1], [1], [1], [1]]] + [None] * 3}
     with pytest.raises(ValueError, match="needs experts without replicas"):
         MoEModel.from_pretrained(TRAINED, compile=True, gpus=2, placement=replicas)
+    interleaved = {"world_size": 2, "embed_rank": 0, "head_rank": 1,
+                   "blocks": [{"attention": "layer", "ranks": [r], "experts": "layer"} for r in (0, 1, 0, 1)]}
+    with pytest.raises(ValueError, match="experts 'layer' needs each rank's blocks in one contiguous range"):
+        MoEModel.from_pretrained(TRAINED, compile=True, gpus=2, placement=interleaved)
 
 
 def _compiled_sum(rank: int, world_size: int, port: int, out: str) -> None:

@@ -100,3 +100,15 @@ def test_tensor_parallel_decode_step_makes_one_all_reduce_for_attention_and_one_
         # a ring all-reduce of 2 ranks sends half the tensor twice: [1 token, dim] fp32 per all-reduce and token;
         # the head's rank also broadcasts the step's tokens and stop flag (3 int64 for 2 tokens)
         assert got["bytes_per_token"] - (2 * blocks + 1) * dim * 4 == (12 if rank == 1 else 0), (rank, got)
+
+
+@pytest.mark.multiprocess
+def test_a_pipeline_decode_step_makes_no_collective_inside_a_block():
+    """Whole blocks on their owners (experts `layer`): per step one hand-off of the hidden states where the owner
+    changes (a broadcast within the pair) and the sampled tokens' broadcast; nothing per block."""
+    dim = MoEModel.from_pretrained(SHIPPED).config.dim
+    for rank, got in enumerate(count_decode_step(str(SHIPPED), 2, strategy="layer/layer", kernels="torch")):
+        assert got["calls"] == {"broadcast": 2}, (rank, got)
+        assert got["syncs"] == got["blocks"] // 2 + 1  # its own blocks' expert counts (torch kernels), the tokens
+        # rank 0 hands on [2 tokens, dim] fp32 per step; rank 1 broadcasts the tokens and stop flag (3 int64)
+        assert got["bytes_per_token"] == (dim * 4 if rank == 0 else 12), (rank, got)

@@ -69,6 +69,8 @@ def plan(cfg, world: int, blocks: list[dict], embed: int = 0, head: int | None =
     (4, "tensor", "tensor"),  # MQA: the one KV head on all 4 ranks
     (3, "layer", "tensor"),  # experts split over every rank, attention on each block's owner
     (2, "replicated", "tensor"),  # batch slices, every copy to both slices of its expert
+    (2, "layer", "layer"),  # a pipeline of whole blocks: experts with their block's owner, no exchange
+    (3, "layer", "layer"),
 ])
 def test_one_strategy_for_every_block_gives_the_one_rank_answer(reference, gpus, attention, experts):
     model = check_same_as_one_rank(reference, gpus=gpus, attention=attention, experts=experts)
@@ -173,6 +175,9 @@ def test_a_save_from_a_tensor_parallel_plan_loads_in_transformers(reference, tmp
     (lambda p: p["blocks"][2].pop("attention"), ["blocks[2]", "no attention strategy"]),
     (lambda p: p["blocks"].pop(), ["every block needs an attention strategy"]),
     (lambda p: p["blocks"][0].update(experts="tensor", groups=[[0, 1], [1, 2]]), ["share a rank"]),
+    (lambda p: p["blocks"][0].update(experts="layer"), ["blocks[0]", "experts 'layer'", "needs attention 'layer'"]),
+    (lambda p: p["blocks"].__setitem__(1, block("layer", [2], "layer")),
+     ["expert_ranks[1][0] = [0]", "held by its owner alone, rank 2"]),
 ])
 def test_plan_errors_are_one_line_before_any_rank_starts(tmp_path, change, words):
     cfg = tiny_config(n_layers=3, n_heads=4, n_kv_heads=2, hidden_dim=96)

@@ -21,6 +21,8 @@ LAYOUTS = {
     "replicated/tensor": {"attention": "replicated", "experts": "tensor"},
     "replicated/expert, compiled": {"attention": "replicated", "compile": True},
     "replicated/tensor, compiled": {"attention": "replicated", "experts": "tensor", "compile": True},
+    "layer/layer": {"experts": "layer"},
+    "layer/layer, compiled": {"experts": "layer", "compile": True},
 }
 # The 1-rank steps each layout is set against: eager against eager, compiled against compiled.
 REFERENCES = {"1 rank": {}, "1 rank, compiled": {"compile": True}}

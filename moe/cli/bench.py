@@ -164,6 +164,7 @@ def print_exchange_counts(path: Path, args: argparse.Namespace) -> None:
 
     cases = [(f"exchange {exchange}", {"exchange": exchange}) for exchange in ("auto", "all-to-all")]
     cases.append(("replicated attention, one sequence", {"strategy": "replicated/expert", "sequences": 1}))
+    cases.append(("a pipeline of whole blocks (experts layer)", {"strategy": "layer/layer"}))
     for label, how in cases:
         ranks = count_decode_step(str(path), args.gpus, dtype=args.dtype, **how)
         blocks = ranks[0]["blocks"]

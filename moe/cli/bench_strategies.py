@@ -15,7 +15,7 @@ from pathlib import Path
 from moe.bench.speed import PREFILL, checkpoint_config
 
 ALL = ("layer/expert", "replicated/expert", "tensor/expert", "layer/tensor", "tensor/tensor", "replicated/tensor",
-       "layer/tensor:2", "tensor/tensor:2")
+       "layer/layer", "layer/tensor:2", "tensor/tensor:2")
 
 
 def strategies_for(spec: str, ranks: int) -> list[str]:

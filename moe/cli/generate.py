@@ -58,9 +58,10 @@ def parser() -> argparse.ArgumentParser:
                     help="every block's attention: layer: on one rank (layer placement, default); replicated: every "
                          "rank holds the dense weights and runs its slice of the batch (throughput on batches); "
                          "tensor: heads split over all ranks (one all-reduce per block)")
-    ap.add_argument("--experts", choices=["expert", "tensor"], default="expert",
+    ap.add_argument("--experts", choices=["expert", "tensor", "layer"], default="expert",
                     help="every block's experts: expert: whole experts placed over the ranks (default); tensor: each "
-                         "expert's hidden dimension split over all ranks (one all-reduce per block). Per-block "
+                         "expert's hidden dimension split over all ranks (one all-reduce per block); layer: all on "
+                         "the block's owner, a pipeline of whole blocks (no collective inside a block). Per-block "
                          "strategies: a --placement file (README)")
     ap.add_argument("--exchange", choices=["auto", "all-to-all", "gather"], default="auto",
                     help="how token copies reach the experts' ranks: auto (default) gathers a decode step's few rows "
@@ -72,7 +73,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--compile", action="store_true",
                     help="run decode steps through torch.compile with static shapes (a CUDA graph on GPUs); the first "
                          "step compiles (tens of seconds on a CPU); on N ranks with --attention replicated, the steps "
-                         "of a batch smaller than the ranks")
+                         "of a batch smaller than the ranks, or with --experts layer, each rank's range of blocks")
     ap.add_argument("--expert-load", default=None, metavar="DIR",
                     help="after generating, write an expert-load report (JSON, CSV, PNG) to DIR")
     ap.add_argument("--master-port", type=int, default=None,

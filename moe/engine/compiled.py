@@ -85,7 +85,7 @@ class CompiledDecode:
         """`head=False`: the step stops at the last block (a rank that runs the blocks for their collectives and
         needs no logits, `moe.engine.replicated`); it returns the hidden states."""
         self.model = model
-        self.device = model.norm.weight.device
+        self.device = model.device
         self.step = compile_step(model.decode_step if head else model.decode_hidden, self.device, isolate=True,
                                  on_compile=self.keep_graph)
         self.direct: dict[tuple, tuple] = {}  # signature -> (its compiled graph, the role of each of its inputs)

@@ -29,7 +29,6 @@ from models.attention import Padding
 from moe.engine.compiled import CompiledDecode
 from moe.engine.sharded import ShardedEngine
 from moe.parallel.gather import ExchangeDispatcher
-from moe.parallel.placement import Placement
 
 
 class ReplicatedAttentionEngine(ShardedEngine):
@@ -112,20 +111,3 @@ class ReplicatedAttentionEngine(ShardedEngine):
             return None
         return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
 
-
-def compilable_plan(plan: Placement, compile: bool, exchange: str) -> Placement:
-    """`plan`, checked for `compile`: on N ranks a decode step compiles where every rank runs all of it (`redundant`
-    above): attention replicated in every block, the exchange left to choose, and no expert with replicas."""
-    if not compile:
-        return plan
-    replicas = any(plan.strategy(b).experts == "expert" and any(len(ranks) > 1 for ranks in block)
-                   for b, block in enumerate(plan.expert_ranks))
-    why = ("replicated attention in every block (attention='replicated'): there every rank runs the whole decode step"
-           if not plan.replicated else
-           f"exchange='auto' (got {exchange!r}): a forced exchange splits a lone sequence's step over the ranks"
-           if exchange != "auto" else
-           "experts without replicas: each rank routes a replicated expert's copies by its own round-robin state"
-           if replicas else None)
-    if why is not None:
-        raise ValueError(f"compile=True on N ranks needs {why}")
-    return plan

@@ -177,7 +177,7 @@ class ShardedEngine:
             holders = experts_at
             if self.rank in holders:
                 h = block.feed(h, start > 0, rows)
-            elif not s.local_tensor_experts:  # still take part in this block's exchanges, with no rows of our own
+            elif s.needs_exchange:  # still take part in this block's exchanges, with no rows of our own
                 block.feed_forward.run_experts(*self.no_rows)
         h = self._join(h, (p.head_rank,), shape) if split else self._move(h, holders, (p.head_rank,), shape)
         if self.rank != self.head_rank:

@@ -44,7 +44,8 @@ class Placement:
         """Every block's attention and experts by one strategy over all ranks (the API's and CLI's shortcuts):
         attention "layer" keeps the owners, "replicated" and "tensor" use every rank; experts "expert" keep their
         placement, "tensor" splits every expert over all ranks, or, with `group_size`, over groups of that many
-        consecutive ranks that hold contiguous runs of experts (expert-tensor parallelism)."""
+        consecutive ranks that hold contiguous runs of experts (expert-tensor parallelism), "layer" puts every expert
+        of a block on its owner (a pipeline of whole blocks)."""
         everyone = tuple(range(self.world_size))
         size = group_size or self.world_size
         if experts == "tensor" and (size < 1 or self.world_size % size):
@@ -54,7 +55,7 @@ class Placement:
         for i, owner in enumerate(self.block_ranks):
             ranks = (owner,) if attention == "layer" else everyone
             blocks.append(BlockStrategy(attention, ranks, experts, groups))
-            experts_at.append(None if experts == "tensor" else self.expert_ranks[i])  # over the groups, below
+            experts_at.append(self.expert_ranks[i] if experts == "expert" else None)  # filled below
         # Attention split over all ranks and experts exchanged: the last block's result is on the first rank, so the
         # head goes there (no send per step); otherwise it stays on the last rank, beside no embedding.
         head = self.embed_rank if (attention, experts) == ("tensor", "expert") else self.head_rank
@@ -63,14 +64,15 @@ class Placement:
 
     def fill_experts(self, n_experts: int) -> Placement:
         """Experts of blocks the plan leaves out (None): contiguous runs over the ranks, or, for experts split by
-        `tensor`, over the block's groups."""
+        `tensor`, over the block's groups; experts `layer` all on the block's owner."""
         if all(b is not None for b in self.expert_ranks) or (self.blocks is not None
                                                                 and len(self.blocks) != len(self.expert_ranks)):
             return self  # nothing left out, or a plan `validate` refuses
         filled = []
         for i, held in enumerate(self.expert_ranks):
             s = self.strategy(i)
-            owners = s.expert_groups if s.experts == "tensor" else tuple((r,) for r in range(self.world_size))
+            owners = (s.expert_groups if s.experts == "tensor" else ((s.leader,),) if s.experts == "layer"
+                      else tuple((r,) for r in range(self.world_size)))
             runs = owners_from_sizes(balanced_ranges(n_experts, len(owners)))  # as `default` places experts
             filled.append(held if held is not None else tuple(owners[runs[e]] for e in range(n_experts)))
         return replace(self, expert_ranks=tuple(filled))
@@ -95,6 +97,11 @@ class Placement:
         """Attention replicated over the batch in every block: each rank runs the whole dense model on its slice of
         the batch (`moe.engine.replicated`). Replicated in some blocks only, the batch is split for those."""
         return self.blocks is not None and all(s.attention == "replicated" for s in self.blocks)
+
+    @property
+    def pipeline(self) -> bool:
+        """Every block whole on its owner (experts `layer`): a pipeline of whole blocks (`moe.engine.pipeline`)."""
+        return self.blocks is not None and all(s.experts == "layer" for s in self.blocks)
 
     @property
     def whole_experts(self) -> list[int]:
@@ -139,6 +146,11 @@ class Placement:
         for i, s in enumerate(self.blocks):
             if cfg is not None:
                 validate_block(s, i, world_size, cfg)
+            if s.experts == "layer":
+                for e, ranks in enumerate(self.expert_ranks[i]):
+                    if tuple(ranks) != (s.leader,):
+                        raise PlacementError(f"placement expert_ranks[{i}][{e}] = {list(ranks)}: block {i}'s experts "
+                                             f"'layer' are held by its owner alone, rank {s.leader}")
             if s.experts == "tensor":
                 for e, ranks in enumerate(self.expert_ranks[i]):
                     if tuple(ranks) not in s.expert_groups:

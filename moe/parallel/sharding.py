@@ -79,6 +79,8 @@ def connect_ranks(model: Transformer, placement: Placement, dist: DistContext, s
         if s.attention == "tensor" and dist.rank in s.attention_ranks:
             reduce_attention_output(model, name, s.attention_ranks, dist)
         block.feed_forward.counts_received = True
+        if s.experts == "layer":  # the owner runs them all where the block's hidden states are, as one rank does
+            continue
         if s.local_tensor_experts:
             block.feed_forward.dispatcher = TensorDispatcher(model.cfg.n_experts, s.expert_groups[0], dist)
             continue

@@ -11,7 +11,9 @@ Experts:
 - `expert`: whole experts placed on ranks (with replicas), reached by the all-to-all or gathered exchange;
 - `tensor`: every expert's hidden dimension F split over a group (w1/w3 column-parallel, w2 row-parallel, one
   all-reduce). With several groups, experts are placed whole over the groups and split inside each
-  (Megatron's expert-tensor parallelism): a token copy goes to every rank of its expert's group.
+  (Megatron's expert-tensor parallelism): a token copy goes to every rank of its expert's group;
+- `layer`: every expert whole on the block's attention owner, so the block runs on one rank with no exchange
+  (Mistral's reference pipeline, whose ranks hold whole layers; llama.cpp's layer split). Needs attention `layer`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ATTENTION_STRATEGIES = ("layer", "replicated", "tensor")
-EXPERT_STRATEGIES = ("expert", "tensor")
+EXPERT_STRATEGIES = ("expert", "tensor", "layer")
 
 
 class PlacementError(ValueError):
@@ -49,6 +51,13 @@ class BlockStrategy:
         all-reduce, no exchange (vLLM's layout for Mixtral). Otherwise copies travel by the exchange."""
         return self.experts == "tensor" and len(self.expert_groups) == 1 and self.attention != "replicated"
 
+    @property
+    def needs_exchange(self) -> bool:
+        """The block's token copies travel to its experts by the exchange, which every rank enters (with no rows of
+        its own, if need be). Not where the experts sit with the hidden states: on the owner (`layer`) or on the one
+        group that splits them all."""
+        return not (self.experts == "layer" or self.local_tensor_experts)
+
     def to_json(self) -> dict:
         out: dict = {"attention": self.attention}
         if self.attention != "replicated":
@@ -77,7 +86,7 @@ class BlockStrategy:
     def describe(self) -> str:
         """'tensor[0,1] / expert' for tables and reports."""
         attn = self.attention if self.attention == "replicated" else f"{self.attention}[{_ranks(self.attention_ranks)}]"
-        experts = "expert" if self.experts == "expert" else \
+        experts = self.experts if self.experts in ("expert", "layer") else \
             "tensor" + "".join(f"[{_ranks(g)}]" for g in self.expert_groups)
         return f"{attn} / {experts}"
 
@@ -117,7 +126,11 @@ def validate_block(s: BlockStrategy, block: int, world_size: int, cfg) -> None:
             raise PlacementError(f"{where}: the experts' hidden dimension {cfg.hidden_dim} cannot be split evenly "
                                 f"over {len(s.expert_groups[0])} ranks")
     elif s.expert_groups:
-        raise PlacementError(f"{where}: groups are for experts 'tensor'; experts 'expert' are placed by expert_ranks")
+        raise PlacementError(f"{where}: groups are for experts 'tensor'; experts {s.experts!r} are placed by "
+                             "expert_ranks")
+    if s.experts == "layer" and s.attention != "layer":
+        raise PlacementError(f"{where}: experts 'layer' (every expert on the block's owner) needs attention 'layer', "
+                             f"got {s.attention!r}")
 
 
 def _check_group(ranks: tuple[int, ...], what: str, world_size: int) -> None:

@@ -20,7 +20,7 @@ import torch
 from moe.checkpoint.loader import activation_dtype
 from moe.engine.base import ENGINE_CALLS
 from moe.engine.build import build_model
-from moe.engine.replicated import ReplicatedAttentionEngine, compilable_plan
+from moe.engine.layouts import compilable_plan, engine_type
 from moe.engine.sharded import ShardedEngine
 from moe.errors import USER_ERRORS
 from moe.memory import peak_memory_mib
@@ -44,20 +44,19 @@ class ShardSpec:
     device: str = "cpu"  # "cuda" (NCCL, GPU `rank` of this machine) or "cpu" (gloo); chosen by the parent
     timeout_s: float = DEFAULT_TIMEOUT_S  # how long a collective waits for the slowest rank
     exchange: str = "auto"  # the experts' exchange: "auto" (gather for decode), "all-to-all", "gather"
-    compile: bool = False  # decode steps run compiled where every rank runs the whole step (moe.engine.replicated)
+    compile: bool = False  # decode steps run compiled where the layout allows (moe.engine.layouts)
 
 
 def load_shard(spec: ShardSpec, dist: DistContext) -> tuple[ShardedEngine, dict]:
     """Build this rank's share of the model and the engine that runs it."""
     placement = compilable_plan(Placement.from_json(spec.placement), spec.compile, spec.exchange)
     torch_dtype = activation_dtype(spec.dtype)
-    engine_type = ReplicatedAttentionEngine if placement.replicated else ShardedEngine
     progress = Progress.for_loading(enabled=spec.progress and dist.rank == 0)
     model, _, stats = build_model(spec.path, spec.dtype, dist.device, progress=progress,
                                   prune=lambda m: apply_placement(m, placement, dist.rank), kernels=spec.cpu_kernels)
     step = StepRows(spec.exchange)
     connect_ranks(model, placement, dist, step)
-    engine = engine_type(model, placement, dist, torch_dtype, step)
+    engine = engine_type(placement)(model, placement, dist, torch_dtype, step)
     if spec.compile:
         engine.compile_decode()
     return engine, stats
