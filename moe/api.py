@@ -76,10 +76,13 @@ class ModelInfo:
                    loaded_peak_mib=each("loaded_peak_mib"))
 
 
-def check_options(gpus: int, cpu_kernels: str, attention: str, experts: str, exchange: str, compile: bool) -> None:
+def check_options(gpus: int, cpu_kernels: str, attention: str, experts: str, exchange: str, compile: bool,
+                  threads: int | None = None) -> None:
     """`from_pretrained`'s choices, each refused in one line before anything is loaded or started."""
     if not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus must be a positive integer, got {gpus!r}")
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be a positive integer, got {threads!r}")
     if cpu_kernels not in KERNELS:
         raise ValueError(f"cpu_kernels={cpu_kernels!r}: use one of {', '.join(KERNELS)}")
     if attention not in ATTENTION_STRATEGIES:
@@ -120,22 +123,21 @@ class MoEModel:
         WORLD_SIZE set) this process joins the given group as one rank instead, and every rank makes the same
         calls. `progress` shows checkpoint reading on rank 0 (a bar on a terminal, a line per file).
         `timeout_s` is how long a collective waits for the slowest rank (loading, saving); a rank that dies
-        is found within seconds regardless.
+        is found within seconds regardless. `threads`: CPU threads per rank (in this process: torch's own setting).
         `attention` and `experts` shard every block one way over all N ranks (the placement file can say it per
         block, `moe.parallel.strategies`): attention "layer" (one owner per block, default), "replicated" (every
         rank holds the dense weights and runs its own slice of the batch) or "tensor" (heads split over the ranks);
         experts "expert" (whole experts placed, default), "tensor" (each expert's hidden dimension split) or "layer"
         (every expert on its block's owner: a pipeline of whole blocks, with attention "layer").
-        `cpu_kernels="auto"` (on CPU) runs decode steps through
-        the project's streaming matrix-vector kernel (built once per torch installation, `models.matvec`) and prompts
-        through oneDNN; "onednn" keeps linear weights in oneDNN's packed layout for every product (what "auto"
-        falls back to without a C++ compiler); "torch" keeps plain tensors and `F.linear`. `dtype="int8"`: int8
-        weights quantized at load (per output channel), bf16 activations. `compile=True` runs decode
-        steps through `torch.compile` with every shape static (`moe.engine.compiled`; a CUDA graph on GPUs): the
-        first step of each batch size compiles (tens of seconds on a CPU), later ones run the graph. On N ranks it
-        needs `attention="replicated"` (and `exchange="auto"`, no expert replicas), and compiles the steps of a batch
-        smaller than the ranks, which every rank runs whole (`moe.engine.replicated`); larger batches run eager. Or
-        `experts="layer"` with each rank's blocks in one range: each rank's range compiled (`moe.engine.pipeline`).
+        `cpu_kernels="auto"` (on CPU) runs decode steps through the project's streaming matrix-vector kernel (built
+        once per torch installation, `models.matvec`) and prompts through oneDNN; "onednn" keeps linear weights in
+        oneDNN's packed layout for every product (what "auto" falls back to without a C++ compiler); "torch" keeps
+        plain tensors and `F.linear`. `dtype="int8"`: int8 weights quantized at load (per output channel), bf16
+        activations. `compile=True` runs decode steps through `torch.compile` with every shape static
+        (`moe.engine.compiled`; a CUDA graph on GPUs): the first step of each batch size compiles (tens of seconds on
+        a CPU), later ones run the graph. On N ranks it needs a layout whose ranks run whole steps or whole ranges of
+        blocks (`moe.engine.layouts`): `attention="replicated"` (then a batch smaller than the ranks compiles), or
+        `experts="layer"`.
         `exchange` (N ranks): "auto" gathers a step's few rows to every rank (two collectives per block, no sizes
         on the host) for decode and exchanges them by all-to-all for prefill; "gather" or "all-to-all" forces one.
         """
@@ -144,10 +146,12 @@ class MoEModel:
         tok_path = Path(path) / "tokenizer.model"
         tokenizer = Tokenizer(tok_path) if tok_path.exists() else None
         dtype_name = parse_precision(dtype, ckpt.torch_dtype)
-        check_options(gpus, cpu_kernels, attention, experts, exchange, compile)
+        check_options(gpus, cpu_kernels, attention, experts, exchange, compile, threads)
         base = dict(format=ckpt.fmt, dtype=dtype_name, cpu_kernels=cpu_kernels, attention=attention, experts=experts,
                     exchange=exchange)
         joined = from_torchrun(device, timeout_s)
+        if threads is not None and (joined is not None or (gpus == 1 and placement is None)):
+            torch.set_num_threads(threads)  # this process is the rank: `threads` is its own pool
         if joined is not None:
             return cls._join_torchrun(path, cfg, tokenizer, base, *joined, gpus, placement, blocks_per_rank, progress,
                                       compile)

@@ -154,3 +154,25 @@ def test_sizes_are_bounded_before_anything_is_allocated(tmp_path, monkeypatch):
             model.generate(["And God said", "In the"], max_new_tokens=5000)
         monkeypatch.undo()
         assert model.generate(["And God said"], max_new_tokens=2)  # still usable
+
+
+@pytest.mark.parametrize("options, words", [
+    (dict(gpus=0), "gpus must be a positive integer, got 0"),
+    (dict(threads=0), "threads must be a positive integer, got 0"),
+    (dict(gpus=2, threads="2"), "threads must be a positive integer, got '2'"),
+    (dict(gpus=2, attention="replicated", experts="layer"), "experts='layer' (each block's experts on its owner) "
+                                                            "needs attention='layer', got 'replicated'"),
+])
+def test_model_options_are_refused_in_one_line_before_loading(sharded, options, words):
+    with pytest.raises(ValueError) as e:
+        MoEModel.from_pretrained(sharded, **options)
+    assert one_line(e) == words
+
+
+def test_threads_on_one_rank_are_this_process_threads(sharded):
+    before = torch.get_num_threads()
+    try:
+        MoEModel.from_pretrained(sharded, threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
