@@ -81,9 +81,13 @@ def test_tensor_parallel_generate_under_torchrun_gives_the_one_process_text():
     assert two.stdout.count("tensor[0,1] / tensor[0,1]") == 1
 
 
-def test_compiled_steps_on_replicated_ranks_give_the_one_process_tokens():
+@pytest.mark.parametrize("layout, ranks", [
+    (("--attention", "replicated"), 2),
+    (("--experts", "layer"), 3),  # a pipeline: its pairs' groups made through torchrun's store, a middle rank
+])
+def test_compiled_steps_give_the_one_process_tokens(layout, ranks):
     args = ("--ckpt", str(TRAINED), "--prompt", PROMPT, "--max-new-tokens", "16")
-    run = script("generate", *args, "--attention", "replicated", "--compile", ranks=2)
+    run = script("generate", *args, *layout, "--compile", ranks=ranks)
     one = script("generate", *args)
     assert run.returncode == 0 and one.returncode == 0, (run.stderr + one.stderr)[-3000:]
     assert continuation(run.stdout) == continuation(one.stdout)
