@@ -33,9 +33,10 @@ from models import cpu_kernels, matvec
 KERNELS = ("auto", "onednn", "torch")  # choices for MoEModel.from_pretrained(cpu_kernels=...)
 
 INT8 = "int8"  # the weight-only precision's name in `dtype=` (activations bf16)
-# Up to this many rows an int8 product without the streaming kernel (`kernels="onednn"`) runs torch's
-# weight-only kernel, which reads the int8 weight directly (on this CPU 1.4x faster than oneDNN's bf16 for one
-# row, 2x slower for 8). Larger products (prefill, batches) are bound by arithmetic, not reads: x q^T in the
+# Up to this many rows an int8 product without the streaming kernel (`kernels="onednn"`, and every GPU) runs
+# torch's weight-only kernel (`_weight_int8pack_mm`, on CPU and CUDA), which reads the int8 weight directly: no
+# weight-sized temporary per decode step (on this CPU 1.4x faster than oneDNN's bf16 for one row, 2x slower for
+# 8; never run on CUDA). Larger products (prefill, batches) are bound by arithmetic, not reads: x q^T in the
 # activation dtype (int8 values are exact in bf16), then the fp32 scales. Measured against the kernel on
 # 512 x 512 @ 512 x 3584: within one bf16 step everywhere, 3.5x faster than the same product in fp32; scaling
 # the weight before the product instead (q * scale rounded to bf16) loses whole digits where a row's terms cancel.
@@ -125,11 +126,11 @@ class Int8(LinearWeight):
             out = matvec.grouped(x2, self.q[None], None, self.scale32[None])
         elif self.prompts:  # the same bits per row as the decode kernel's
             out = matvec.prompt_grouped(x2, self.q[None], None, self.scale32[None])
-        elif x.device.type == "cpu" and x2.shape[0] <= INT8_KERNEL_MAX_ROWS:
+        elif x2.shape[0] <= INT8_KERNEL_MAX_ROWS:  # torch's weight-only kernel: the int8 weight read as it is
             out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.q, self.scale)
         elif x.device.type == "cpu" and not cpu_kernels.native_bf16():  # many rows, no bf16 instructions
             out = cpu_kernels.widened(x2, self.q).mul_(self.scale32).to(x.dtype)
-        else:  # many rows with bf16 instructions, or a GPU (never run on CUDA)
+        else:  # many rows with bf16 instructions, or a GPU's tensor cores
             out = (F.linear(x2, self.q.to(x.dtype)).float() * self.scale32).to(x.dtype)
         return out.view(*x.shape[:-1], self.out_features)
 

@@ -54,6 +54,27 @@ def test_sampling_with_a_seed_on_the_gpu(on_gpu):
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
+def test_int8_on_a_gpu_gives_the_cpus_int8_answer():
+    """dtype="int8" on CUDA: decode rows through torch's own weight-only kernel (`_weight_int8pack_mm`, the int8
+    weight read as it is), prompts as a bf16 product of the int8 values; the CPU runs the same ops with
+    `cpu_kernels="torch"`."""
+    with MoEModel.from_pretrained(TRAINED, device="cpu", dtype="int8", cpu_kernels="torch") as cpu, \
+            MoEModel.from_pretrained(TRAINED, device="cuda", dtype="int8") as gpu:
+        assert (gpu(IDS).cpu().float() - cpu(IDS).float()).abs().max().item() < 0.1  # bf16 sums in another order
+        assert gpu.generate([PROMPT], max_new_tokens=32) == cpu.generate([PROMPT], max_new_tokens=32)
+
+
+def test_compiled_decode_on_a_gpu_is_a_cuda_graph_with_the_eager_tokens(on_gpu):
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
+
+    skips = counters["inductor"]["cudagraph_skips"]
+    with MoEModel.from_pretrained(TRAINED, device="cuda", compile=True) as model:
+        assert model.generate([PROMPT], max_new_tokens=32) == on_gpu.generate([PROMPT], max_new_tokens=32)
+    assert counters["inductor"]["cudagraph_skips"] == skips  # inductor captured the step, skipped nothing
+    assert cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False) is not None
+
+
 @needs_gpus(2)
 @pytest.mark.parametrize("attention, experts", [("tensor", "tensor"), ("tensor", "expert"), ("layer", "tensor")])
 def test_tensor_parallel_gpus_give_the_one_gpu_answer(on_gpu, attention, experts):

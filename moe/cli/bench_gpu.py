@@ -27,7 +27,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="bench_gpu.py", description=__doc__)
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/moe-bench"), help="where sized checkpoints are kept")
-    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default float32,bfloat16)")
+    ap.add_argument("--dtypes", default="float32,bfloat16,int8", help="comma-separated (default float32,bfloat16,int8)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is shown")
     ap.add_argument("--case", nargs=3, metavar=("CKPT", "DTYPE", "GPUS"), help=argparse.SUPPRESS)
     return ap.parse_args(argv)
