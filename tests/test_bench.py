@@ -8,9 +8,18 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from moe.bench.collectives import collective_cost
-from moe.bench.in_turns import LAYOUTS, REFERENCES, decode_steps_in_turns, memory_short, print_steps_in_turns
+from moe.bench.in_turns import (
+    LAYOUTS,
+    ONE_CORE,
+    REFERENCES,
+    decode_steps_in_turns,
+    memory_short,
+    print_steps_in_turns,
+    torch_threads,
+)
 from moe.bench.llama_cpp import combine
 from moe.bench.peer_turns import decode_in_turns, print_decode_in_turns, ratios
 from moe.bench.step_parts import compiled_step_parts, print_compiled_step_parts
@@ -52,10 +61,22 @@ def test_two_rank_steps_are_set_against_the_one_rank_step(capsys):
 
 @pytest.mark.multiprocess
 def test_layouts_measured_in_turns_give_step_times_and_the_one_rank_tokens():
+    threads = torch.get_num_threads()
     steps, differ = decode_steps_in_turns(str(SHIPPED), "float32", 2, 2, rounds=2, new_tokens=4)
-    assert set(steps) == {*REFERENCES, *LAYOUTS} and all(0 < s < 1 for s in steps.values())
+    assert set(steps) == {*REFERENCES, ONE_CORE, *LAYOUTS} and all(0 < s < 1 for s in steps.values())
+    assert torch.get_num_threads() == threads  # the 1-core model's turns set this process's threads, then restore
     assert differ == []  # fp32: every layout gives its 1-rank reference's tokens
     assert memory_short(str(SHIPPED)) is None  # a few MB
+
+
+def test_torch_threads_are_set_inside_and_restored_after_an_error():
+    before = torch.get_num_threads()
+    with pytest.raises(KeyError), torch_threads(before + 1):
+        assert torch.get_num_threads() == before + 1
+        raise KeyError
+    assert torch.get_num_threads() == before
+    with torch_threads(None):
+        assert torch.get_num_threads() == before
 
 
 @pytest.mark.multiprocess
@@ -76,11 +97,11 @@ def test_llama_cpp_sessions_before_and_after_ours_make_one_row():
 
 
 def test_steps_in_turns_are_printed_against_the_one_rank_step_of_their_mode(capsys):
-    steps = {"1 rank": 0.004, "1 rank, compiled": 0.003, "replicated/tensor": 0.008,
+    steps = {"1 rank": 0.004, "1 rank, compiled": 0.003, ONE_CORE: 0.005, "replicated/tensor": 0.008,
              "replicated/tensor, compiled": 0.0045}
     print_steps_in_turns(steps, [], 2, 8)
     out = capsys.readouterr().out
-    assert "1 rank 4.00 ms; 1 rank, compiled 3.00 ms;" in out
+    assert "1 rank 4.00 ms; 1 rank, compiled 3.00 ms;" in out and f"{ONE_CORE} 5.00 ms = 1.67x" in out
     assert "replicated/tensor 8.00 ms = 2.00x" in out and "replicated/tensor, compiled 4.50 ms = 1.50x" in out
 
 

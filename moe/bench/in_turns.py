@@ -6,9 +6,12 @@ the figure the N-rank latency target is set against.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 from pathlib import Path
+
+import torch
 
 from moe.bench.speed import DECODE_PROMPT, prompts
 
@@ -26,13 +29,17 @@ LAYOUTS = {
 }
 # The 1-rank steps each layout is set against: eager against eager, compiled against compiled.
 REFERENCES = {"1 rank": {}, "1 rank, compiled": {"compile": True}}
+# Not a reference but a floor: the whole compiled step on one of the N cores. Ranks that work one after another on a
+# core each (a pipeline of whole blocks, batch 1) together take at least as long as this.
+ONE_CORE = "1 rank on 1 core, compiled"
 
 
 def reference_of(name: str) -> str:
-    return "1 rank, compiled" if LAYOUTS.get(name, REFERENCES.get(name, {})).get("compile") else "1 rank"
+    return "1 rank, compiled" if name == ONE_CORE or LAYOUTS.get(name, REFERENCES.get(name, {})).get("compile") \
+        else "1 rank"
 
 
-def memory_short(path: str, models: int = len(REFERENCES) + len(LAYOUTS)) -> str | None:
+def memory_short(path: str, models: int = len(REFERENCES) + 1 + len(LAYOUTS)) -> str | None:
     """Why `models` models (by default every layout) cannot be loaded at once here (each holds about the checkpoint's
     bytes over its ranks, more with replicated attention), or None."""
     need = 1.3 * models * sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
@@ -53,6 +60,18 @@ def batch1_step(model, vocab: int, seed: int, new_tokens: int) -> tuple[float, l
     return model.last_result.decode_seconds / (new_tokens - 1), tokens
 
 
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """torch's thread count set to `n` inside (None: left as it is), the previous one restored after."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def turn_order(names: list[str], r: int) -> list[str]:
     """Round r's order: reversed every other round, so that no one always runs right after the same neighbour."""
     return names if r % 2 == 0 else names[::-1]
@@ -60,27 +79,32 @@ def turn_order(names: list[str], r: int) -> list[str]:
 
 def decode_steps_in_turns(path: str, dtype: str, gpus: int, threads: int, rounds: int = 8,
                           new_tokens: int = 64) -> tuple[dict[str, float], list[str]]:
-    """({"1 rank": median step seconds, "1 rank, compiled": ..., layout: ...}, the layouts whose greedy tokens
-    differed from their 1-rank reference's (`reference_of`) in some round). The 1-rank models get `threads`, each of
-    the `gpus` ranks threads // gpus."""
+    """({"1 rank": median step seconds, "1 rank, compiled": ..., ONE_CORE: ..., layout: ...}, the layouts whose
+    greedy tokens differed from their 1-rank reference's (`reference_of`) in some round). The 1-rank models get
+    `threads`, ONE_CORE and each of the `gpus` ranks threads // gpus."""
     from moe import MoEModel
 
     models = {}
+    # The threads each model in this process runs (and compiles) with: torch's setting is the process's own.
+    own_threads = {name: threads for name in REFERENCES} | {ONE_CORE: max(1, threads // gpus)}
     try:
         for name, options in REFERENCES.items():
             models[name] = MoEModel.from_pretrained(path, dtype=dtype, threads=threads, **options)
+        models[ONE_CORE] = MoEModel.from_pretrained(path, dtype=dtype, compile=True)
         for name, options in LAYOUTS.items():
             models[name] = MoEModel.from_pretrained(path, dtype=dtype, gpus=gpus, threads=max(1, threads // gpus),
                                                     **options)
         vocab = models["1 rank"].config.vocab_size
-        for model in models.values():
-            warm_up(model, vocab)
+        for name, model in models.items():
+            with torch_threads(own_threads.get(name)):
+                warm_up(model, vocab)
         steps: dict[str, list[float]] = {name: [] for name in models}
         differ: set[str] = set()
         for r in range(rounds):
             tokens = {}
             for name in turn_order(list(models), r):
-                step, tokens[name] = batch1_step(models[name], vocab, r, new_tokens)
+                with torch_threads(own_threads.get(name)):
+                    step, tokens[name] = batch1_step(models[name], vocab, r, new_tokens)
                 steps[name].append(step)
             differ |= {name for name, out in tokens.items() if out != tokens[reference_of(name)]}
         return {name: statistics.median(s) for name, s in steps.items()}, [n for n in LAYOUTS if n in differ]
