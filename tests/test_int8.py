@@ -78,10 +78,14 @@ def test_int8_greedy_tokens_and_logits_follow_the_float_model(bf16_and_int8):
     bf16, int8 = bf16_and_int8
     with MoEModel.from_pretrained(TRAINED) as fp32:  # the checkpoint's own precision
         assert int8.generate(PROMPTS, max_new_tokens=32) == fp32.generate(PROMPTS, max_new_tokens=32)
+    assert_logits_follow_bf16(bf16, int8)
+
+
+def assert_logits_follow_bf16(bf16: MoEModel, int8: MoEModel) -> None:
+    """Logits of this model span about +-15; int8 weights move a position's logits by 0.19 (median of the largest
+    change; bf16 against fp32: 0.09), more where a token's choice of experts flips (here 4 positions of 64)."""
     ids = torch.tensor([int8.tokenizer.encode(HELD_OUT)[:64]])
     a, b = bf16(ids).float(), int8(ids).float()
-    # Logits of this model span about +-15; int8 weights move a position's logits by 0.19 (median of the largest
-    # change; bf16 against fp32: 0.09), more where a token's choice of experts flips (here 4 positions of 64).
     err = (a - b).abs().amax(-1)[0]
     assert err.median().item() < 0.3 and (err < 0.5).float().mean().item() > 0.9, err
     assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() > 0.95
@@ -95,11 +99,7 @@ def test_int8_through_torchs_weight_only_kernel_follows_our_kernels(bf16_and_int
     with MoEModel.from_pretrained(TRAINED, dtype="int8", cpu_kernels="torch") as torchs:
         assert not any(w.stream for w in linear_weights(torchs)) and all(w.stream for w in linear_weights(ours))
         assert torchs.generate(PROMPTS, max_new_tokens=32) == ours.generate(PROMPTS, max_new_tokens=32)
-        ids = torch.tensor([ours.tokenizer.encode(HELD_OUT)[:64]])
-        a, b = bf16(ids).float(), torchs(ids).float()
-    err = (a - b).abs().amax(-1)[0]  # as in the test above: most positions close, a few where experts flip
-    assert err.median().item() < 0.3 and (err < 0.5).float().mean().item() > 0.9, err
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() > 0.95
+        assert_logits_follow_bf16(bf16, torchs)
 
 
 def linear_weights(model: MoEModel) -> list[weights.LinearWeight]:

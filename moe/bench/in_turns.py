@@ -85,15 +85,16 @@ def decode_steps_in_turns(path: str, dtype: str, gpus: int, threads: int, rounds
     from moe import MoEModel
 
     models = {}
-    # The threads each model in this process runs (and compiles) with: torch's setting is the process's own.
-    own_threads = {name: threads for name in REFERENCES} | {ONE_CORE: max(1, threads // gpus)}
+    per_rank = max(1, threads // gpus)
+    # The 1-rank models set this process's torch threads to `threads` at load; ONE_CORE runs (and compiles) with
+    # `per_rank` inside its turns only.
+    own_threads = {ONE_CORE: per_rank}
     try:
         for name, options in REFERENCES.items():
             models[name] = MoEModel.from_pretrained(path, dtype=dtype, threads=threads, **options)
         models[ONE_CORE] = MoEModel.from_pretrained(path, dtype=dtype, compile=True)
         for name, options in LAYOUTS.items():
-            models[name] = MoEModel.from_pretrained(path, dtype=dtype, gpus=gpus, threads=max(1, threads // gpus),
-                                                    **options)
+            models[name] = MoEModel.from_pretrained(path, dtype=dtype, gpus=gpus, threads=per_rank, **options)
         vocab = models["1 rank"].config.vocab_size
         for name, model in models.items():
             with torch_threads(own_threads.get(name)):
