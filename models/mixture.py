@@ -82,7 +82,8 @@ class GroupedExperts(nn.Module):
         """x_ND holds counts_El[0] copies for stacked expert 0, then counts_El[1] for expert 1, ...
         A dispatcher that already read the counts on the host passes them as a list."""
         if self.streamed and (matvec.takes(x_ND.shape[0], matvec.EXPERT_MAX_ROWS) or self.prompts):
-            return self.streamed_forward(x_ND, torch.as_tensor(counts_El))
+            # dtype given: a rank holding none of the block's experts gets [] from the all-to-all, which torch reads as float
+            return self.streamed_forward(x_ND, torch.as_tensor(counts_El, dtype=torch.long, device=x_ND.device))
         if self.offsets_on_device and self.stacks is not None and isinstance(counts_El, torch.Tensor):
             return self.grouped(x_ND, counts_El)
         # One host sync per layer (none if the dispatcher read them): the counts decide which experts run.

@@ -30,7 +30,11 @@ def pipeline_refusal(plan: Placement) -> str | None:
     if not plan.pipeline:
         return "experts 'layer' in every block (a pipeline of whole blocks)"
     ranges = [plan.blocks_of(r) for r in range(plan.world_size)]
-    if any(not blocks or blocks != list(range(blocks[0], blocks[-1] + 1)) for blocks in ranges):
+    idle = [r for r, blocks in enumerate(ranges) if not blocks]
+    if idle:
+        return (f"a block on every rank ({len(plan.block_ranks)} blocks over {plan.world_size} ranks leave rank "
+                f"{idle[0]} none: use at most {len(plan.block_ranks)} ranks)")
+    if any(blocks != list(range(blocks[0], blocks[-1] + 1)) for blocks in ranges):
         return f"each rank's blocks in one contiguous range (the blocks' owners are {list(plan.block_ranks)})"
     if plan.embed_rank != plan.block_ranks[0] or plan.head_rank != plan.block_ranks[-1]:
         return "the embedding on the first block's rank and the head on the last block's"
