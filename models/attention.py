@@ -19,9 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import cpu_kernels, matvec, weights
+from models import weights
 from models.basic import Linear
 from models.config import ModelConfig
+from models.kernels import choice as kc
+from models.kernels import native
+from models.kernels.choice import KernelChoice
 
 
 class RMSNorm(nn.Module):
@@ -182,29 +185,14 @@ class Attention(nn.Module):
         self.wv = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim)
         self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.dim)
         self.wqkv: weights.LinearWeight | None = None  # inference: q, k and v in one product
-        self.attend_fp32 = False  # inference, bf16 on a CPU without bf16 instructions (`prepare_weights`)
-        self.decode_kernel = False  # inference, our CPU kernels, attention in fp32: `matvec.decode_attention`
-        self.prompt_kernel = False  # and a causal prompt from slot 0 through `matvec.prompt_attention` (AVX-512)
+        self.choice: KernelChoice | None = None  # inference: which attention runs (`KernelChoice.attention`)
 
-    def prepare_weights(self, kernels: str, int8: bool) -> None:
+    def prepare_weights(self, choice: KernelChoice) -> None:
         """Fuse q/k/v into one weight; wq/wk/wv stay as parts of it (for `state_dict`)."""
         if self.wqkv is None and not self.wq.weight.is_meta:
-            w = self.wq.weight
-            # torch's bf16 attention takes a generic path on such a CPU: 3x the time of the same attention in fp32
-            # with the casts (a decode step of `small`, 256 cache slots: 150 us against 52, measured on an AVX2 EPYC).
-            self.attend_fp32 = w.dtype == torch.bfloat16 and w.device.type == "cpu" and not cpu_kernels.native_bf16()
-            # One query against the cache, in fp32: 31 -> 11 us a block (a bf16 cache: 52 -> 11) for a step of
-            # `small` on 256 cache slots, 100 of them filled (torch's SDPA calls a matrix product per head and
-            # reads the unfilled slots too; with a bf16 cache it first copies the whole cache to fp32). Where the
-            # CPU has bf16 instructions, torch's bf16 SDPA calls MKL's generic bf16 product on an AMD CPU: 15% of
-            # a compiled bf16 step of `small` (2 threads, an EPYC with AVX-512 bf16), so bf16 decodes with it too.
-            kernel_dtype = w.dtype in (torch.float32, torch.bfloat16)  # what `matvec.decode_attention` takes
-            self.decode_kernel = kernel_dtype and weights.streams(w, kernels)  # our kernels asked for, and built
-            # A prompt's causal attention: 1.1-1.4 ms against SDPA's 3.4-3.8 ms a block for a 512-token prompt of
-            # `small` (2 threads, an AVX-512 EPYC; torch's flash attention runs MKL's generic products there).
-            self.prompt_kernel = self.decode_kernel and matvec.prompt_attention_runs() and self.head_dim % 16 == 0
+            self.choice = choice
             linears = (self.wq, self.wk, self.wv)
-            self.wqkv, parts = weights.fused([lin.weight for lin in linears], kernels, int8)
+            self.wqkv, parts = weights.fused([lin.weight for lin in linears], choice)
             for lin, part in zip(linears, parts, strict=True):
                 lin.kernel, lin.weight = part, weights.shape_only(lin.weight)
 
@@ -225,12 +213,20 @@ class Attention(nn.Module):
             k, v = cache.write_at(ctx.slot, k, v)  # [B, G, L, Dh], ctx.mask hides the slots past this one
         elif cache is not None:
             k, v = cache.update(ctx.start, k, v)  # [B, G, start+S, Dh]
-        if S == 1 and self.decode_kernel:  # one query: never causal (`AttentionContext.build`)
-            out = matvec.decode_attention(q, k, v, ctx.mask).to(x_BSD.dtype)  # in fp32, k and v as they are
-        elif ctx.is_causal and self.prompt_kernel:  # a prompt from slot 0, no padding: k and v are its own
-            out = matvec.prompt_attention(q, k, v)  # in fp32
+        path = self.choice.attention(S == 1, ctx.is_causal, self.head_dim) if self.choice else kc.SDPA
+        if S == 1 and path == kc.NATIVE_ATTENTION:  # one query: never causal (`AttentionContext.build`)
+            # One query against the cache, in fp32: 31 -> 11 us a block (a bf16 cache: 52 -> 11) for a step of
+            # `small` on 256 cache slots, 100 of them filled (torch's SDPA calls a matrix product per head and
+            # reads the unfilled slots too; with a bf16 cache it first copies the whole cache to fp32). Where the
+            # CPU has bf16 instructions, torch's bf16 SDPA calls MKL's generic bf16 product on an AMD CPU: 15% of
+            # a compiled bf16 step of `small` (2 threads, an EPYC with AVX-512 bf16), so bf16 decodes with it too.
+            out = native.decode_attention(q, k, v, ctx.mask).to(x_BSD.dtype)  # in fp32, k and v as they are
+        elif path == kc.NATIVE_PROMPT_ATTENTION:  # a prompt from slot 0, no padding: k and v are its own
+            # 1.1-1.4 ms against SDPA's 3.4-3.8 ms a block for a 512-token prompt of `small` (2 threads, an AVX-512
+            # EPYC; torch's flash attention runs MKL's generic products there).
+            out = native.prompt_attention(q, k, v)  # in fp32
         else:
-            if self.attend_fp32:
+            if path == kc.SDPA_FP32:  # bf16 on a CPU without bf16 instructions (`KernelChoice.attends_fp32`)
                 q, k, v = q.float(), k.float(), v.float()
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, is_causal=ctx.is_causal,
                                                  enable_gqa=self.n_heads != self.n_kv_heads).to(x_BSD.dtype)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models import weights
+from models.kernels.choice import KernelChoice
 
 
 class Linear(nn.Module):
@@ -25,10 +26,10 @@ class Linear(nn.Module):
             return self.kernel(x)
         return F.linear(x, self.weight)
 
-    def prepare_weights(self, kernels: str, int8: bool) -> None:
+    def prepare_weights(self, choice: KernelChoice) -> None:
         """For inference: keep the weight only in its fastest format; `weight` keeps just its shape."""
         if self.kernel is None and not self.weight.is_meta:  # not converted yet, nor fused into a parent's
-            self.kernel = weights.make(self.weight, kernels, int8)
+            self.kernel = weights.make(self.weight, choice)
             self.weight = weights.shape_only(self.weight)
 
     def dense(self, name: str) -> torch.Tensor:

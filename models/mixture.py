@@ -19,8 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import matvec, weights
+from models import weights
 from models.config import ModelConfig
+from models.kernels import choice as kc
+from models.kernels import native
+from models.kernels.choice import KernelChoice
 
 
 class Router(nn.Module):
@@ -70,20 +73,22 @@ class GroupedExperts(nn.Module):
         self.kernels: list[tuple[weights.LinearWeight, weights.LinearWeight]] | None = None
         # Plain inference weights also stay stacked, w13 [El, 2F, D] and w2 [El, D, F] (the experts' kernels are
         # views of them), for grouped products of all local experts at once: on CPU the streaming kernel
-        # (`streamed`; int8 stacks with their scales [El, 2F] and [El, D]), on CUDA `torch._grouped_mm` with the
+        # (`choice.native`; int8 stacks with their scales [El, 2F] and [El, D]), on CUDA `torch._grouped_mm` with the
         # offsets on the device (`offsets_on_device`: bf16, never run there). Neither reads counts on the host.
         self.stacks: tuple[torch.Tensor, torch.Tensor] | None = None
         self.scales: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.streamed = False
-        self.prompts = False  # streamed stacks whose prompts run `matvec.prompt_grouped` too
+        self.choice: KernelChoice | None = None  # inference: which products run (`KernelChoice.product`)
         self.offsets_on_device = False
 
     def forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor | list[int]) -> torch.Tensor:
         """x_ND holds counts_El[0] copies for stacked expert 0, then counts_El[1] for expert 1, ...
         A dispatcher that already read the counts on the host passes them as a list."""
-        if self.streamed and (matvec.takes(x_ND.shape[0], matvec.EXPERT_MAX_ROWS) or self.prompts):
-            # dtype given: a rank holding none of the block's experts gets [] from the all-to-all, which torch reads as float
-            return self.streamed_forward(x_ND, torch.as_tensor(counts_El, dtype=torch.long, device=x_ND.device))
+        path = self.choice.product(x_ND.shape[0], native.EXPERT_MAX_ROWS) if self.choice else None
+        if self.stacks is not None and path in (kc.NATIVE_DECODE, kc.NATIVE_PROMPT):
+            # dtype given: a rank holding none of the block's experts gets [] from the all-to-all (torch: float)
+            counts = torch.as_tensor(counts_El, dtype=torch.long, device=x_ND.device)
+            return self.streamed_forward(x_ND, counts, native.grouped if path == kc.NATIVE_DECODE
+                                         else native.prompt_grouped)
         if self.offsets_on_device and self.stacks is not None and isinstance(counts_El, torch.Tensor):
             return self.grouped(x_ND, counts_El)
         # One host sync per layer (none if the dispatcher read them): the counts decide which experts run.
@@ -104,11 +109,12 @@ class GroupedExperts(nn.Module):
         # Concatenating (not writing into slices of a buffer) keeps the backward pass free of zero-filled copies.
         return torch.cat(outs) if outs else x_ND.new_empty((0, self.w2.shape[1]))
 
-    def prepare_weights(self, kernels: str, int8: bool) -> None:
+    def prepare_weights(self, choice: KernelChoice) -> None:
         """For inference: each expert's w1/w3 fused and w2, in their fastest format; the stacks keep shapes."""
         if self.kernels is not None or self.w1.is_meta:
             return
-        fmt = weights.format_for(self.w1, kernels, int8)
+        self.choice = choice
+        fmt = weights.format_for(self.w1, choice)
         w1, w2, w3 = self.w1.detach(), self.w2.detach(), self.w3.detach()
         experts = range(len(self.expert_ids))
         if fmt in (weights.Dense, weights.Streamed):  # stacked once, [El, 2F, D]; each expert's kernel is a view
@@ -117,33 +123,29 @@ class GroupedExperts(nn.Module):
             # instructions), its rows take the streaming kernel up to the grouped call's limit, as they would in it:
             # a block whose copies a gathered step on N ranks runs one by one (its rows padded past that limit)
             # gives 1 rank's bits, where oneDNN's products from 9 rows on did not.
-            limit = {"max_rows": matvec.EXPERT_MAX_ROWS} if fmt is weights.Streamed else {}
-            self.kernels = [(fmt(self.stacks[0][e], **limit), fmt(w2[e], **limit)) for e in experts]
-            self.streamed = fmt is weights.Streamed
-            self.prompts = self.streamed and weights.prompt_kernel(w1)
-            self.offsets_on_device = w1.device.type == "cuda" and w1.dtype == torch.bfloat16  # _grouped_mm's case
-        elif fmt is weights.Int8 and weights.streams(w1, kernels):  # quantized as stacks, likewise
+            limit = native.EXPERT_MAX_ROWS
+            self.kernels = [(fmt(self.stacks[0][e], choice, limit), fmt(w2[e], choice, limit)) for e in experts]
+            self.offsets_on_device = grouped_mm_runs(w1)
+        elif fmt is weights.Int8 and choice.native:  # quantized as stacks, likewise
             E, F, D = w1.shape
             q13, s13 = weights.quantize_each((torch.cat([w1[e], w3[e]]) for e in experts), (E, 2 * F, D), w1.device)
             q2, s2 = weights.quantize_each(w2, w2.shape, w2.device)
-            self.stacks, self.scales, self.streamed = (q13, q2), (s13, s2), True
-            self.prompts = matvec.prompts()
-            self.kernels = [(weights.Int8(q13[e], s13[e], w1.dtype, True), weights.Int8(q2[e], s2[e], w1.dtype, True))
-                            for e in experts]
+            self.stacks, self.scales = (q13, q2), (s13, s2)
+            self.kernels = [(weights.Int8(q13[e], s13[e], w1.dtype, choice),
+                             weights.Int8(q2[e], s2[e], w1.dtype, choice)) for e in experts]
         elif fmt is weights.Int8:
-            self.kernels = [(weights.Int8.of(torch.cat([w1[e], w3[e]]), kernels), weights.Int8.of(w2[e], kernels))
+            self.kernels = [(weights.Int8.of(torch.cat([w1[e], w3[e]]), choice), weights.Int8.of(w2[e], choice))
                             for e in experts]
         else:  # converted expert by expert: one expert's w1/w3 copy at a time on top of the stacks
-            self.kernels = [(fmt(torch.cat([w1[e], w3[e]])), fmt(w2[e])) for e in experts]
+            self.kernels = [(fmt(torch.cat([w1[e], w3[e]]), choice), fmt(w2[e], choice)) for e in experts]
         for name in ("w1", "w2", "w3"):
             setattr(self, name, weights.shape_only(getattr(self, name)))
 
-    def streamed_forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor) -> torch.Tensor:
-        """All local experts in two calls of the streaming kernel (prompts: of `matvec.prompt_grouped`; int8: the
-        same bits per row), which reads the counts itself and only the weights of experts that got rows. Rows past
-        the last group come out as zeros."""
+    def streamed_forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor, product) -> torch.Tensor:
+        """All local experts in two calls of the native decode kernel (`product`; prompts: `native.prompt_grouped`;
+        int8: the same bits per row), which reads the counts itself and only the weights of experts that got rows.
+        Rows past the last group come out as zeros."""
         (w13, w2), (s13, s2) = self.stacks, self.scales or (None, None)
-        product = matvec.grouped if matvec.takes(x_ND.shape[0], matvec.EXPERT_MAX_ROWS) else matvec.prompt_grouped
         h = product(x_ND, w13, counts_El, s13)
         hidden = w2.shape[2]
         return product(F.silu(h[:, :hidden]).mul_(h[:, hidden:]), w2, counts_El, s2)
@@ -174,6 +176,14 @@ class GroupedExperts(nn.Module):
         if self.kernels is not None:
             for name in ("w1", "w2", "w3"):
                 destination[prefix + name] = self.dense(name)
+
+
+def grouped_mm_runs(w: torch.Tensor) -> bool:
+    """`torch._grouped_mm` runs these stacked experts: bf16 on a CUDA GPU that the installed torch has the grouped
+    product for (Hopper, compute capability 9.0, and later). Elsewhere experts run one by one (never run on CUDA)."""
+    if w.device.type != "cuda" or w.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+        return False
+    return torch.cuda.get_device_capability(w.device) >= (9, 0)
 
 
 def fused_swiglu(x: torch.Tensor, w13: weights.LinearWeight, w2: weights.LinearWeight) -> torch.Tensor:

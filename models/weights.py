@@ -1,18 +1,17 @@
 """How an inference model holds its linear weights: in the layout its kernel reads fastest, fused where
 several products read the same input.
 
-A loaded model has plain parameters (`weight [out, in]`); `prepare(model, kernels, int8)` converts each
-linear weight once into a `LinearWeight`:
+A loaded model has plain parameters (`weight [out, in]`); `prepare(model, choice)` converts each linear weight
+once into a `LinearWeight`, in the format the model's `KernelChoice` (`models.kernels.choice`) names:
 
-- `Streamed`: the plain tensor; up to `matvec.MAX_ROWS` rows (decode steps) run the streaming kernel
-  (`models.matvec`), more rows (prompts) the prompt kernel (`matvec.prompt_grouped`). CPU fp32/bf16 with
-  `kernels="auto"`.
-- `OneDNN`: reordered into oneDNN's blocked layout (`models.cpu_kernels`; CPU fp32/bf16, `kernels="onednn"`).
-- `Dense`: the plain tensor and `F.linear` (GPUs; CPUs with `kernels="torch"`).
-- `Int8`: per-output-channel symmetric int8 (`scale = max|w_row| / 127`); with our kernels every product is an
-  exact integer sum against activations rounded to int16, whatever the number of rows.
+- `Streamed`: the plain tensor, read by the native kernels (decode rows and, where they run them, prompts).
+- `OneDNN`: reordered into oneDNN's blocked layout (`models.kernels.onednn`; CPU fp32/bf16, `cpu_kernels="onednn"`,
+  and "auto" where the native kernels do not run).
+- `Dense`: the plain tensor (GPUs; CPUs with `cpu_kernels="torch"`).
+- `Int8`: per-output-channel symmetric int8 (`scale = max|w_row| / 127`); with the native kernels every product is
+  an exact integer sum against activations rounded to int16, whatever the number of rows.
 
-`kernels="auto"` (the default) falls back to `"onednn"` where the streaming kernel cannot be built.
+Each call asks the choice which product runs its rows (`KernelChoice.product`); the weight only carries it out.
 
 Fusion (`fused`): q/k/v read the same normalised input, as do each expert's w1/w3, so one weight with their
 rows stacked gives all of them in one product: a decode step makes 49 products instead of 81 on `small`.
@@ -28,19 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import cpu_kernels, matvec
-
-KERNELS = ("auto", "onednn", "torch")  # choices for MoEModel.from_pretrained(cpu_kernels=...)
+from models.kernels import choice as kc
+from models.kernels import native, onednn
+from models.kernels.choice import KernelChoice
 
 INT8 = "int8"  # the weight-only precision's name in `dtype=` (activations bf16)
-# Up to this many rows an int8 product without the streaming kernel (`kernels="onednn"`, and every GPU) runs
-# torch's weight-only kernel (`_weight_int8pack_mm`, on CPU and CUDA), which reads the int8 weight directly: no
-# weight-sized temporary per decode step (on this CPU 1.4x faster than oneDNN's bf16 for one row, 2x slower for
-# 8; never run on CUDA). Larger products (prefill, batches) are bound by arithmetic, not reads: x q^T in the
-# activation dtype (int8 values are exact in bf16), then the fp32 scales. Measured against the kernel on
-# 512 x 512 @ 512 x 3584: within one bf16 step everywhere, 3.5x faster than the same product in fp32; scaling
-# the weight before the product instead (q * scale rounded to bf16) loses whole digits where a row's terms cancel.
-INT8_KERNEL_MAX_ROWS = 4
 
 
 class LinearWeight:
@@ -55,82 +46,79 @@ class LinearWeight:
         raise NotImplementedError
 
 
+def float_product(path: str, x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x2 [N, in] @ weight.T by the product `path` names (`KernelChoice.product`), for a plain fp32/bf16 weight."""
+    if path == kc.NATIVE_DECODE:
+        return native.grouped(x2, weight[None])
+    if path == kc.NATIVE_PROMPT:
+        return native.prompt_grouped(x2, weight[None])
+    if path == kc.ONEDNN:  # the plain weight: 0-35% slower than the packed layout from 64 rows on, one copy held
+        return onednn.linear(x2, weight)
+    if path == kc.WIDENED:
+        return onednn.widened(x2, weight).to(x2.dtype)
+    return F.linear(x2, weight)
+
+
 class Dense(LinearWeight):
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.weight, self.out_features = weight.detach(), weight.shape[0]
+    """The plain weight; `max_rows`: up to this many rows the native decode kernel runs, where it does (an expert's:
+    as many as its block's grouped call takes, so the expert gives a row the same bits alone or grouped, whichever
+    path its rank takes)."""
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
-
-    def dense(self) -> torch.Tensor:
-        return self.weight
-
-
-class Streamed(LinearWeight):
-    """The plain weight, read by the streaming kernel for a few rows and by the prompt kernel for many
-    (`prompt_kernel`). Where that is not built with AVX2, or for bf16 on CPUs with bf16 instructions, prompts go to
-    oneDNN from the plain weight (0-35% slower than its packed layout from 64 rows on, the price of holding one
-    copy), or, bf16 without those instructions, widened to fp32 first (`cpu_kernels.widened`)."""
-
-    def __init__(self, weight: torch.Tensor, max_rows: int = matvec.MAX_ROWS) -> None:
-        """`max_rows`: up to this many rows the streaming kernel runs (an expert's: as many as its block's grouped
-        call takes, so the expert gives a row the same bits alone or grouped, whichever path its rank takes)."""
-        self.weight, self.out_features, self.max_rows = weight.detach().contiguous(), weight.shape[0], max_rows
-        self.prompts, self.onednn = prompt_kernel(self.weight), cpu_kernels.can_pack(self.weight)
+    def __init__(self, weight: torch.Tensor, choice: KernelChoice, max_rows: int = native.MAX_ROWS) -> None:
+        self.weight, self.out_features = weight.detach().contiguous(), weight.shape[0]
+        self.choice, self.max_rows = choice, max_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if matvec.takes(x2.shape[0], self.max_rows):
-            out = matvec.grouped(x2, self.weight[None])
-        elif self.prompts:
-            out = matvec.prompt_grouped(x2, self.weight[None])
-        elif self.onednn:
-            out = cpu_kernels.linear(x2, self.weight)
-        elif x2.dtype == torch.bfloat16 and not cpu_kernels.native_bf16():
-            out = cpu_kernels.widened(x2, self.weight).to(x.dtype)
-        else:
-            out = F.linear(x2, self.weight)
+        out = float_product(self.choice.product(x2.shape[0], self.max_rows), x2, self.weight)
         return out.view(*x.shape[:-1], self.out_features)
 
     def dense(self) -> torch.Tensor:
         return self.weight
 
 
+class Streamed(Dense):
+    """A plain weight that the native kernels read (the choice's `native`)."""
+
+
 class OneDNN(LinearWeight):
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.packed, self.out_features = cpu_kernels.pack(weight), weight.shape[0]
+    def __init__(self, weight: torch.Tensor, choice: KernelChoice, max_rows: int = native.MAX_ROWS) -> None:
+        self.packed, self.out_features = onednn.pack(weight), weight.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.linear(x, self.packed)
+        return onednn.linear(x, self.packed)
 
     def dense(self) -> torch.Tensor:
-        return cpu_kernels.unpack(self.packed)
+        return onednn.unpack(self.packed)
 
 
 class Int8(LinearWeight):
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, stream: bool) -> None:
-        """q [out, in] int8 and its fp32 scales [out] (`quantize`); `dtype` the activations'; `stream`: our kernels
-        run it (few rows the streaming kernel, prompts `matvec.prompt_grouped`: exact integer sums, the same bits
-        per row), else torch's weight-only kernel and widened products."""
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, choice: KernelChoice) -> None:
+        """q [out, in] int8 and its fp32 scales [out] (`quantize`); `dtype` the activations'."""
         self.q, self.scale32, self.scale = q, scale, scale.to(dtype)
-        self.out_features, self.stream = q.shape[0], stream
-        self.prompts = stream and matvec.prompts()  # decided once, as for `Streamed`
+        self.out_features, self.choice = q.shape[0], choice
+
+    @property
+    def stream(self) -> bool:
+        return self.choice.native
 
     @classmethod
-    def of(cls, weight: torch.Tensor, kernels: str = "auto") -> Int8:
-        return cls(*quantize(weight), weight.dtype, streams(weight, kernels))
+    def of(cls, weight: torch.Tensor, choice: KernelChoice | None = None) -> Int8:
+        """`weight` quantized; its products as `choice` says (by default what "auto" runs on its device)."""
+        return cls(*quantize(weight), weight.dtype, choice or kc.choose("auto", weight.device, weight.dtype, True))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if self.stream and matvec.takes(x2.shape[0]):
-            out = matvec.grouped(x2, self.q[None], None, self.scale32[None])
-        elif self.prompts:  # the same bits per row as the decode kernel's
-            out = matvec.prompt_grouped(x2, self.q[None], None, self.scale32[None])
-        elif x2.shape[0] <= INT8_KERNEL_MAX_ROWS:  # torch's weight-only kernel: the int8 weight read as it is
+        path = self.choice.product(x2.shape[0])
+        if path == kc.NATIVE_DECODE:
+            out = native.grouped(x2, self.q[None], None, self.scale32[None])
+        elif path == kc.NATIVE_PROMPT:  # the same bits per row as the decode kernel's
+            out = native.prompt_grouped(x2, self.q[None], None, self.scale32[None])
+        elif path == kc.INT8_KERNEL:  # torch's weight-only kernel: the int8 weight read as it is
             out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.q, self.scale)
-        elif x.device.type == "cpu" and not cpu_kernels.native_bf16():  # many rows, no bf16 instructions
-            out = cpu_kernels.widened(x2, self.q).mul_(self.scale32).to(x.dtype)
-        else:  # many rows with bf16 instructions, or a GPU's tensor cores
+        elif path == kc.WIDENED:  # many rows on a CPU without bf16 instructions
+            out = onednn.widened(x2, self.q).mul_(self.scale32).to(x.dtype)
+        else:  # many rows on a CPU with bf16 instructions: x q^T in bf16 (exact int8 values), then the fp32 scales
             out = (F.linear(x2, self.q.to(x.dtype)).float() * self.scale32).to(x.dtype)
         return out.view(*x.shape[:-1], self.out_features)
 
@@ -169,38 +157,23 @@ class Part(LinearWeight):
         return self.whole.dense()[self.start:self.stop]
 
 
-def prompt_kernel(weight: torch.Tensor) -> bool:
-    """Prompts against this streamed fp32 or bf16 weight run our prompt kernel (`matvec.prompt_grouped`), faster
-    here than oneDNN: bf16 on CPUs without bf16 instructions (oneDNN needs the weight widened first), and fp32."""
-    return matvec.prompts() and (weight.dtype == torch.float32 or not cpu_kernels.native_bf16())
-
-
-def streams(weight: torch.Tensor, kernels: str) -> bool:
-    """The streaming kernel reads this weight: asked for ("auto"), on a CPU where it could be built (once per
-    torch installation)."""
-    return kernels == "auto" and weight.device.type == "cpu" and not weight.is_meta and matvec.available()
-
-
-def format_for(weight: torch.Tensor, kernels: str, int8: bool) -> type[LinearWeight]:
-    """The fastest format for this weight: int8 when asked; on a CPU the streaming kernel ("auto") or oneDNN,
-    where they run its dtype; else dense."""
-    if int8:
+def format_for(weight: torch.Tensor, choice: KernelChoice) -> type[LinearWeight]:
+    """The format `choice` reads this weight in."""
+    if choice.int8:
         return Int8
-    if weight.dtype in (torch.float32, torch.bfloat16) and streams(weight, kernels):
+    if choice.native:
         return Streamed
-    if kernels in ("auto", "onednn") and cpu_kernels.can_pack(weight):
-        return OneDNN
-    return Dense
+    return OneDNN if choice.asked != "torch" and onednn.can_pack(weight) else Dense
 
 
-def make(weight: torch.Tensor, kernels: str, int8: bool) -> LinearWeight:
-    fmt = format_for(weight, kernels, int8)
-    return Int8.of(weight, kernels) if fmt is Int8 else fmt(weight)
+def make(weight: torch.Tensor, choice: KernelChoice) -> LinearWeight:
+    fmt = format_for(weight, choice)
+    return Int8.of(weight, choice) if fmt is Int8 else fmt(weight, choice)
 
 
-def fused(weights: list[torch.Tensor], kernels: str, int8: bool) -> tuple[LinearWeight, list[Part]]:
+def fused(weights: list[torch.Tensor], choice: KernelChoice) -> tuple[LinearWeight, list[Part]]:
     """One weight of the stacked rows, and each input weight as a part of it."""
-    whole = make(torch.cat([w.detach() for w in weights]), kernels, int8)
+    whole = make(torch.cat([w.detach() for w in weights]), choice)
     parts, start = [], 0
     for w in weights:
         parts.append(Part(whole, start, start + w.shape[0]))
@@ -213,9 +186,9 @@ def shape_only(weight: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
 
 
-def prepare(model: nn.Module, kernels: str = "auto", int8: bool = False) -> None:
-    """Convert every linear weight of an inference model (modules with `prepare_weights(kernels, int8)`),
-    once; parents fuse their children's weights first. Embeddings, norms and routers stay as they are."""
+def prepare(model: nn.Module, choice: KernelChoice) -> None:
+    """Convert every linear weight of an inference model (modules with `prepare_weights(choice)`), once; parents
+    fuse their children's weights first. Embeddings, norms and routers stay as they are."""
     for module in model.modules():
         if hasattr(module, "prepare_weights"):
-            module.prepare_weights(kernels, int8)
+            module.prepare_weights(choice)

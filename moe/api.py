@@ -9,6 +9,7 @@ otherwise `RemoteEngine` over N rank processes started here. All three answer th
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from models import matvec
 from models.config import ModelConfig
-from models.weights import KERNELS
+from models.kernels import native
+from models.kernels.choice import KERNELS
 from moe.checkpoint.formats import detect
 from moe.checkpoint.loader import INT8, activation_dtype, parse_precision
 from moe.engine.base import Engine
@@ -27,6 +28,7 @@ from moe.engine.layouts import compilable_plan
 from moe.engine.local import LocalEngine
 from moe.generation import SamplingParams, check_prompts
 from moe.memory import MemoryUse, available_mib, peak_memory_mib
+from moe.parallel.agreement import check_reports_agree
 from moe.parallel.devices import ranks_device
 from moe.parallel.distributed import DEFAULT_TIMEOUT_S, from_torchrun
 from moe.parallel.gather import EXCHANGES
@@ -54,6 +56,7 @@ class ModelInfo:
     experts: str = "expert"  # "expert" or "tensor"
     exchange: str = "auto"  # how token copies reach experts on N ranks (moe.parallel.gather)
     compiled: bool = False  # decode steps run through torch.compile (`MoEModel.from_pretrained`'s `compile`)
+    kernels: str = ""  # which products and attention run (`models.kernels.choice.KernelChoice.describe`)
     load_seconds: list[float] = field(default_factory=list)  # per rank, reading its tensors
     bytes_read: list[int] = field(default_factory=list)  # per rank
     files_read: list[list[str]] = field(default_factory=list)  # per rank
@@ -65,15 +68,28 @@ class ModelInfo:
 
     @classmethod
     def from_reports(cls, base: dict, reports: list[dict], **where) -> ModelInfo:
-        """From every rank's `moe.workers.rank.load_report`, in rank order."""
+        """From every rank's `moe.workers.rank.load_report`, in rank order; ranks that loaded with other kernels or
+        settings than rank 0 are refused (`check_reports_agree`)."""
         def each(key: str) -> list:
             return [r[key] for r in reports]
 
-        return cls(**base, **where, ranks=len(reports), backend=reports[0]["backend"],
+        check_reports_agree(reports)
+        return cls(**base, **where, ranks=len(reports), backend=reports[0]["backend"], kernels=reports[0]["kernels"],
                    load_seconds=each("load_seconds"), bytes_read=each("bytes_read"), files_read=each("files_read"),
                    tensors_read=each("tensors_read"),
                    rank_params=each("params"), pids=each("pid"), baseline_mib=each("baseline_mib"),
                    loaded_peak_mib=each("loaded_peak_mib"))
+
+
+_announced: set[str] = set()  # the kernel lines this process has printed
+
+
+def announce(info: ModelInfo) -> ModelInfo:
+    """Say on stderr, once per process (rank 0 under torchrun) and per distinct line, which kernels run."""
+    if info.rank == 0 and info.kernels and info.kernels not in _announced:
+        _announced.add(info.kernels)
+        print(info.kernels, file=sys.stderr)
+    return info
 
 
 def check_options(gpus: int, cpu_kernels: str, attention: str, experts: str, exchange: str, compile: bool,
@@ -129,11 +145,11 @@ class MoEModel:
         rank holds the dense weights and runs its own slice of the batch) or "tensor" (heads split over the ranks);
         experts "expert" (whole experts placed, default), "tensor" (each expert's hidden dimension split) or "layer"
         (every expert on its block's owner: a pipeline of whole blocks, with attention "layer").
-        `cpu_kernels="auto"` (on CPU) runs decode steps through the project's streaming matrix-vector kernel (built
-        once per torch installation, `models.matvec`) and prompts through oneDNN; "onednn" keeps linear weights in
-        oneDNN's packed layout for every product (what "auto" falls back to without a C++ compiler); "torch" keeps
-        plain tensors and `F.linear`. `dtype="int8"`: int8 weights quantized at load (per output channel), bf16
-        activations. `compile=True` runs decode steps through `torch.compile` with every shape static
+        `cpu_kernels="auto"` (on CPU) runs decode steps through the project's streaming matrix-vector kernel (built once
+        per torch installation, `models.kernels.native`) and prompts through oneDNN; "onednn" keeps linear weights in
+        oneDNN's packed layout for every product (what "auto" falls back to without a C++ compiler); "torch" keeps plain
+        tensors and `F.linear`. `dtype="int8"`: int8 weights quantized at load (per output channel), bf16 activations.
+        `compile=True` runs decode steps through `torch.compile` with every shape static
         (`moe.engine.compiled`; a CUDA graph on GPUs): the first step of each batch size compiles (tens of seconds on
         a CPU), later ones run the graph. On N ranks it needs a layout whose ranks run whole steps or whole ranges of
         blocks (`moe.engine.layouts`): `attention="replicated"` (then a batch smaller than the ranks compiles), or
@@ -157,7 +173,7 @@ class MoEModel:
                                       compile)
         kind = ranks_device(device, gpus)
         if kind == "cpu" and cpu_kernels == "auto":
-            matvec.available()  # built here once, before N ranks start and load it
+            native.available()  # built here once, before N ranks start and load it
         if gpus == 1 and placement is None:
             return cls._load_here(path, cfg, tokenizer, base, device if device.startswith("cuda:") else kind,
                                   progress, compile)
@@ -174,7 +190,7 @@ class MoEModel:
                                       kernels=base["cpu_kernels"])
         report = load_report(model, stats, baseline, torch.device(device), "none")
         return cls(LocalEngine(model, compile), cfg, tokenizer,
-                   ModelInfo.from_reports(base, [report], launch="local", compiled=compile))
+                   announce(ModelInfo.from_reports(base, [report], launch="local", compiled=compile)))
 
     @classmethod
     def _start_ranks(cls, spec: ShardSpec, cfg, tokenizer, base: dict, gpus: int, plan: Placement,
@@ -183,8 +199,12 @@ class MoEModel:
         from moe.workers.group import WorkerGroup
 
         group = WorkerGroup(gpus, spec, master_port, threads)
-        info = ModelInfo.from_reports(base, group.ready, launch="processes", placement=plan, compiled=spec.compile)
-        return cls(RemoteEngine(group), cfg, tokenizer, info)
+        try:
+            info = ModelInfo.from_reports(base, group.ready, launch="processes", placement=plan, compiled=spec.compile)
+        except BaseException as e:
+            group.close(force=True, reason=f"loading failed: {e}")
+            raise
+        return cls(RemoteEngine(group), cfg, tokenizer, announce(info))
 
     @classmethod
     def _join_torchrun(cls, path, cfg, tokenizer, base: dict, dist, created: bool, gpus: int, placement,
@@ -203,7 +223,7 @@ class MoEModel:
         reports = dist.all_gather_object(load_report(engine.model, stats, baseline, dist.device, dist.backend))
         info = ModelInfo.from_reports(base, reports, launch="torchrun", rank=dist.rank, placement=plan,
                                       compiled=compile)
-        return cls(engine, cfg, tokenizer, info)
+        return cls(engine, cfg, tokenizer, announce(info))
 
     @property
     def rank(self) -> int:

@@ -3,19 +3,23 @@ answers."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from models import cpu_kernels, matvec, weights
+from models import weights
 from models.basic import Linear
+from models.kernels import native, onednn
+from models.kernels.choice import choose
 from models.mixture import GroupedExperts
 from moe import MoEModel
 from tests.checkpoints import TRAINED
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.can_pack(torch.zeros(1)), reason="torch built without oneDNN")
-BF16 = cpu_kernels.can_pack(torch.zeros(1, dtype=torch.bfloat16))
+pytestmark = pytest.mark.skipif(not onednn.can_pack(torch.zeros(1)), reason="torch built without oneDNN")
+BF16 = onednn.can_pack(torch.zeros(1, dtype=torch.bfloat16))
 
 
 def randomize(module: torch.nn.Module, seed: int = 0) -> None:
@@ -36,9 +40,9 @@ def test_packed_linear_matches_dense_and_unpacks_exactly(dtype):
     g = torch.Generator().manual_seed(2)
     xs = [torch.randn(rows, 64, generator=g).to(dtype) for rows in (1, 7, 130)]  # 130: padded to 144 rows
     dense = [F.linear(x, weight) for x in xs]
-    lin.prepare_weights("onednn", int8=False)
+    lin.prepare_weights(choose("onednn", "cpu", dtype))
     packed = lin.kernel
-    lin.prepare_weights("onednn", int8=False)
+    lin.prepare_weights(choose("onednn", "cpu", dtype))
     assert isinstance(packed, weights.OneDNN) and lin.kernel is packed  # converts once
     assert lin.weight.is_meta and lin.weight.shape == (96, 64) and lin.weight.dtype == dtype  # no memory left
     for x, want in zip(xs, dense, strict=True):
@@ -51,7 +55,7 @@ def test_packed_linear_matches_dense_and_unpacks_exactly(dtype):
 
 
 def test_row_counts_are_rounded_to_few_sizes():
-    buckets = [cpu_kernels.row_bucket(rows) for rows in range(1, 8193)]
+    buckets = [onednn.row_bucket(rows) for rows in range(1, 8193)]
     assert buckets[:16] == list(range(1, 17))  # decode batches run at their own size
     assert all(rows <= b <= rows * 1.125 for rows, b in enumerate(buckets, start=1))
     assert len(set(buckets)) == 16 + 8 * 9  # 8 sizes per power of two from 16 to 8192: bounded oneDNN shapes
@@ -65,7 +69,7 @@ def test_packed_experts_match_and_save_dense_stacks():
     counts = torch.tensor([2, 0, 5])  # the middle expert gets no row and does not run
     want = experts(x, counts)
     state = {k: v.clone() for k, v in experts.state_dict().items()}
-    experts.prepare_weights("onednn", int8=False)
+    experts.prepare_weights(choose("onednn", "cpu", torch.float32))
     assert all(isinstance(w, weights.OneDNN) for pair in experts.kernels for w in pair)
     assert all(p.is_meta for p in experts.parameters())
     assert torch.allclose(experts(x, counts), want, rtol=1e-5, atol=1e-5)
@@ -82,13 +86,13 @@ def test_cpu_kernels_give_the_torch_answer_and_save_the_same_weights(tmp_path, k
     assert fast.info.cpu_kernels == kernels
     if kernels == "auto":
         assert MoEModel.from_pretrained(TRAINED).info.cpu_kernels == "auto"  # the default
-    fmt = weights.Streamed if kernels == "auto" and matvec.available() else weights.OneDNN
+    fmt = weights.Streamed if kernels == "auto" and native.available() else weights.OneDNN
     converted = [m for m in fast.engine.model.modules() if isinstance(m, Linear | GroupedExperts)]
     assert all(isinstance(m.kernel.whole if isinstance(m.kernel, weights.Part) else m.kernel, fmt)
                for m in converted if isinstance(m, Linear))
     assert all(isinstance(w, fmt) for m in converted if isinstance(m, GroupedExperts)
                for pair in m.kernels for w in pair)
-    assert all(m.streamed == (fmt is weights.Streamed) for m in converted if isinstance(m, GroupedExperts))
+    assert all(m.choice.native == (fmt is weights.Streamed) for m in converted if isinstance(m, GroupedExperts))
     assert (fast(ids) - plain(ids)).abs().max().item() < 1e-4
     assert fast.generate(prompts, max_new_tokens=24, ignore_eos=True) == plain.generate(
         prompts, max_new_tokens=24, ignore_eos=True)
@@ -138,12 +142,12 @@ def test_bf16_attention_runs_in_fp32_where_the_cpu_has_no_bf16_instructions():
     attn = Attention(cfg)
     randomize(attn)
     attn.to(torch.bfloat16)
-    attn.prepare_weights("auto", int8=False)
-    assert attn.attend_fp32 == (not cpu_kernels.native_bf16())
+    attn.prepare_weights(choose("auto", "cpu", torch.bfloat16))
+    assert attn.choice.attends_fp32 == (not onednn.native_bf16())
     x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
     ctx = AttentionContext.build(cfg, RotaryTable(cfg), 2, 5, 0, None, x.device, torch.bfloat16)
     answers = {}
     for fp32 in (True, False):
-        attn.attend_fp32 = fp32
+        attn.choice = dataclasses.replace(attn.choice, native=False, bf16_instructions=not fp32)  # SDPA
         answers[fp32] = attn(x, ctx, None).float()
     assert torch.allclose(answers[True], answers[False], rtol=2**-6, atol=2**-6 * answers[False].abs().max().item())

@@ -1,18 +1,21 @@
-"""A decode step's attention (models/decode_attention.cpp): torch's SDPA for one query, in fp32, reading only the
-keys the mask lets through; the same greedy tokens as SDPA on the trained model."""
+"""A decode step's attention (models/kernels/csrc/decode_attention.cpp): torch's SDPA for one query, in fp32, reading
+only the keys the mask lets through; the same greedy tokens as SDPA on the trained model."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from models import matvec
+from models.kernels import native
+from models.kernels.choice import NATIVE_ATTENTION
 from moe import MoEModel
 from tests.checkpoints import TRAINED
 from tests.test_int8 import PROMPTS
 
-pytestmark = pytest.mark.skipif(not matvec.available(), reason="the CPU kernels could not be built")
+pytestmark = pytest.mark.skipif(not native.available(), reason="the CPU kernels could not be built")
 
 
 def sdpa(q, k, v, mask):
@@ -29,7 +32,7 @@ def test_matches_sdpa_with_and_without_a_mask(shape, dtype):
     mask = torch.rand(B, 1, 1, L, generator=g) < 0.5
     mask[..., -1] = True  # the step's own slot: always visible
     for m in (None, mask, mask[:1].expand(B, -1, -1, -1)):  # per sequence, none, one for all (stride 0)
-        got = matvec.decode_attention(q, k, v, m)
+        got = native.decode_attention(q, k, v, m)
         assert got.dtype == dtype and got.shape == q.shape
         want = sdpa(q, k, v, m)
         tol = 1e-6 if dtype == torch.float32 else 8e-3  # fp32 sums in another order; bf16: the output's rounding
@@ -43,7 +46,7 @@ def test_reads_a_cache_through_its_strides():
     k, v = cache_k[:, :, :20], cache_v[:, :, :20]  # the batch and head strides of a 64-slot cache
     assert not k.is_contiguous()
     q = torch.randn(2, 4, 1, 32)
-    assert torch.allclose(matvec.decode_attention(q, k, v, None), sdpa(q, k, v, None), atol=1e-6)
+    assert torch.allclose(native.decode_attention(q, k, v, None), sdpa(q, k, v, None), atol=1e-6)
 
 
 @torch.inference_mode()
@@ -53,35 +56,36 @@ def test_hidden_keys_are_never_read():
     mask = torch.zeros(1, 1, 1, 10, dtype=torch.bool)
     mask[..., :6] = True
     k[:, :, 6:], v[:, :, 6:] = float("nan"), float("inf")
-    got = matvec.decode_attention(q, k, v, mask)
+    got = native.decode_attention(q, k, v, mask)
     assert got.isfinite().all()
     assert torch.allclose(got, sdpa(q, k[:, :, :6], v[:, :, :6], None), atol=1e-6)
     mask[:] = False  # no visible key: NaN, as SDPA gives
-    assert matvec.decode_attention(q, k, v, mask).isnan().all()
+    assert native.decode_attention(q, k, v, mask).isnan().all()
 
 
 def test_bad_shapes_are_refused_in_one_line():
     q, k = torch.randn(1, 6, 1, 16), torch.randn(1, 4, 5, 16)
     with pytest.raises(RuntimeError, match="G dividing H"):
-        matvec.decode_attention(q, k, k, None)
+        native.decode_attention(q, k, k, None)
     with pytest.raises(RuntimeError, match="both fp32 or both bf16"):
-        matvec.decode_attention(torch.randn(1, 4, 1, 16), k, k.bfloat16(), None)
+        native.decode_attention(torch.randn(1, 4, 1, 16), k, k.bfloat16(), None)
     with pytest.raises(RuntimeError, match=r"mask \[B or 1, 1, 1, L\]"):
-        matvec.decode_attention(torch.randn(1, 4, 1, 16), k, k, torch.ones(1, 1, 1, 4, dtype=torch.bool))
+        native.decode_attention(torch.randn(1, 4, 1, 16), k, k, torch.ones(1, 1, 1, 4, dtype=torch.bool))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_tokens_are_those_of_sdpa(dtype):
     with MoEModel.from_pretrained(TRAINED, dtype=dtype) as model:
         blocks = [block.attention for block in model.engine.model.layers.values()]
-        assert all(attention.decode_kernel for attention in blocks)
+        assert all(attention.choice.attention(True, False, 16) == NATIVE_ATTENTION for attention in blocks)
         ours = model.generate(PROMPTS, max_new_tokens=32)
         for attention in blocks:
-            attention.decode_kernel = False
+            attention.choice = dataclasses.replace(attention.choice, native=False)  # torch's SDPA
         assert model.generate(PROMPTS, max_new_tokens=32) == ours
 
 
 def test_only_with_our_kernels():
     """cpu_kernels="torch" (or "onednn") asks for torch's own kernels: the attention stays torch's SDPA."""
     with MoEModel.from_pretrained(TRAINED, cpu_kernels="torch") as model:
-        assert not any(block.attention.decode_kernel for block in model.engine.model.layers.values())
+        assert not any(block.attention.choice.attention(True, False, 16) == NATIVE_ATTENTION
+                       for block in model.engine.model.layers.values())

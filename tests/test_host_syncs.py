@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import matvec
+from models.kernels import native
 from moe import MoEModel
 from moe.bench.collectives import count_decode_step
 from moe.bench.syncs import HostSyncCounter
@@ -37,7 +37,7 @@ def test_one_rank_decode_step_syncs_once_per_block_and_once_for_the_tokens():
     assert per_step == blocks + 1  # exactly: the experts' counts in each block, and the sampled tokens
 
 
-@pytest.mark.skipif(not matvec.available(), reason="the streaming kernel could not be built")
+@pytest.mark.skipif(not native.available(), reason="the streaming kernel could not be built")
 def test_one_rank_streamed_decode_step_syncs_only_for_the_tokens():
     assert syncs_per_decode_step(MoEModel.from_pretrained(SHIPPED).engine) == 1
 

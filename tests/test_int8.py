@@ -27,7 +27,7 @@ def test_quantization_is_per_output_channel_and_within_half_a_step():
 
 def activation_rounding(int8: weights.Int8, x: torch.Tensor) -> torch.Tensor:
     """[rows, out] bound on what the streaming kernel's rounding of each activation row to int16 can change: every
-    element moves by at most max|x row| / 65534 (models/matvec.cpp)."""
+    element moves by at most max|x row| / 65534 (models/kernels/csrc/matvec.cpp)."""
     return x.float().abs().amax(dim=1, keepdim=True) / 65534 * (int8.q.float().abs() * int8.scale32[:, None]).sum(1)
 
 

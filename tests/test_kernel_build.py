@@ -11,7 +11,7 @@ import sys
 import pytest
 from torch.utils import cpp_extension
 
-from models import matvec
+from models.kernels import native
 from tests.checkpoints import ROOT
 
 
@@ -20,12 +20,12 @@ def test_the_cpu_kernels_build_where_a_compiler_and_ninja_are_present():
         pytest.skip("no C++ compiler on Linux here")
     if not cpp_extension.is_ninja_available():
         pytest.skip("no ninja here")
-    assert matvec.available(), matvec.why_unavailable()
+    assert native.available(), native.why_unavailable()
 
 
 def _load_in_a_process(**env) -> str:
-    code = ("import sys; from models import matvec; "
-            "print(matvec.available(), 'torch.utils.cpp_extension' in sys.modules, matvec.why_unavailable())")
+    code = ("import sys; from models.kernels import native; "
+            "print(native.available(), 'torch.utils.cpp_extension' in sys.modules, native.why_unavailable())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, **env})
     assert done.returncode == 0, done.stderr
@@ -33,15 +33,15 @@ def _load_in_a_process(**env) -> str:
 
 
 def test_a_process_loads_the_kernels_built_before_without_torchs_build_machinery():
-    if not matvec.available():
-        pytest.skip(f"the CPU kernels do not build here: {matvec.why_unavailable()}")
+    if not native.available():
+        pytest.skip(f"the CPU kernels do not build here: {native.why_unavailable()}")
     assert _load_in_a_process() == "True False"  # no import of cpp_extension, no ninja: built before, loaded
 
 
 def test_a_build_cut_short_is_linked_again(tmp_path):
-    if not matvec.available():
-        pytest.skip(f"the CPU kernels do not build here: {matvec.why_unavailable()}")
-    library = matvec.built_library()
+    if not native.available():
+        pytest.skip(f"the CPU kernels do not build here: {native.why_unavailable()}")
+    library = native.built_library()
     shutil.copytree(library.parent, tmp_path / library.parent.name)  # the objects stay: only the link runs again
     cut = tmp_path / library.parent.name / library.name
     cut.write_bytes(b"\x7fELF cut short")

@@ -1,5 +1,5 @@
-"""The streaming CPU kernel (models/matvec.cpp) against a naive loop: every weight and activation dtype, grouped
-rows, rows past the groups, a row's result independent of its batch, and the experts' grouped decode path."""
+"""The streaming CPU kernel (models/kernels/csrc/matvec.cpp) against a naive loop: every weight and activation dtype,
+grouped rows, rows past the groups, a row's result independent of its batch, and the experts' grouped decode path."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import sys
 import pytest
 import torch
 
-from models import matvec
+from models.kernels import native
+from models.kernels.choice import choose
 from models.mixture import GroupedExperts
 from tests.checkpoints import ROOT, TRAINED
 
-pytestmark = pytest.mark.skipif(not matvec.available(), reason=f"kernel not built: {matvec.why_unavailable()}")
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"kernel not built: {native.why_unavailable()}")
 
 
 def naive(x, w, counts, scale):
@@ -63,7 +64,7 @@ def test_grouped_products_match_a_naive_loop(w_dtype, x_dtype, width):
     x = torch.randn(N, width, generator=g).to(x_dtype)
     counts = [2, 0, 4]  # the middle weight gets no row; the 7th row belongs to no group
     scale = torch.rand(shape[:2], generator=g) if w_dtype == torch.int8 else None
-    got = matvec.grouped(x, w, torch.tensor(counts), scale)
+    got = native.grouped(x, w, torch.tensor(counts), scale)
     assert got.dtype == x_dtype and got.shape == (N, shape[1])
     if w_dtype == torch.int8:  # integer sums: exactly the emulated result, rounded once to the output dtype
         assert torch.equal(got, naive_int8(x, w, counts, scale).to(x_dtype))
@@ -76,7 +77,7 @@ def test_grouped_products_match_a_naive_loop(w_dtype, x_dtype, width):
         assert torch.allclose(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
     assert got[6].eq(0).all()
     # One row alone gives the same bits as in its group and batch.
-    alone = matvec.grouped(x[3:4], w[2:3], None, scale[2:3] if scale is not None else None)
+    alone = native.grouped(x[3:4], w[2:3], None, scale[2:3] if scale is not None else None)
     assert torch.equal(alone[0], got[3])
 
 
@@ -87,7 +88,7 @@ def test_no_rows_give_an_empty_result(w_dtype, x_dtype):
     """A rank whose experts got no token copies still calls the kernel, with no rows."""
     w = torch.ones(2, 3, 64).to(w_dtype)
     scale = torch.ones(2, 3) if w_dtype == torch.int8 else None
-    got = matvec.grouped(torch.empty(0, 64, dtype=x_dtype), w, torch.zeros(2, dtype=torch.long), scale)
+    got = native.grouped(torch.empty(0, 64, dtype=x_dtype), w, torch.zeros(2, dtype=torch.long), scale)
     assert got.shape == (0, 3) and got.dtype == x_dtype
 
 
@@ -97,7 +98,7 @@ def test_int8_sums_cannot_overflow():
     width = 40000
     w = torch.full((1, 2, width), -127, dtype=torch.int8)
     x = torch.full((1, width), 3.0)
-    got = matvec.grouped(x, w, None, torch.ones(1, 2))
+    got = native.grouped(x, w, None, torch.ones(1, 2))
     assert got.eq(-127 * 3.0 * width).all()
 
 
@@ -106,13 +107,13 @@ def test_int8_rows_that_are_not_finite_take_the_fp32_path():
     w = torch.randint(-127, 128, (1, 5, 64), dtype=torch.int8)
     x = torch.randn(2, 64)
     x[1, 7] = float("inf")
-    got = matvec.grouped(x, w, None, torch.ones(1, 5))
+    got = native.grouped(x, w, None, torch.ones(1, 5))
     assert torch.allclose(got[0], w[0].float() @ x[0], rtol=1e-5, atol=1e-4) and not got[1].isfinite().any()
 
 
 def test_counts_that_exceed_the_rows_are_refused():
     with pytest.raises(RuntimeError, match="counts exceed the rows"):
-        matvec.grouped(torch.zeros(2, 8), torch.zeros(2, 4, 8), torch.tensor([2, 1]))
+        native.grouped(torch.zeros(2, 8), torch.zeros(2, 4, 8), torch.tensor([2, 1]))
 
 
 @pytest.mark.parametrize("int8", [False, True])
@@ -124,8 +125,8 @@ def test_streamed_experts_match_the_per_expert_path(int8):
         p.data.normal_(0, 0.2)
     if int8:
         experts.to(torch.bfloat16)
-    experts.prepare_weights("auto", int8=int8)
-    assert experts.streamed and (experts.scales is not None) == int8
+    experts.prepare_weights(choose("auto", "cpu", torch.bfloat16 if int8 else torch.float32, int8))
+    assert experts.choice.native and (experts.scales is not None) == int8
     x = torch.randn(7, 64).to(experts.stacks[1].dtype if not int8 else torch.bfloat16)
     counts = torch.tensor([2, 0, 4])
     grouped = experts(x, counts)  # 7 rows <= MAX_ROWS: one grouped call per weight
@@ -145,11 +146,11 @@ def test_the_op_compiles_in_a_full_graph():
     w = torch.randn(2, 16, 64)
     x = torch.randn(3, 64)
     counts = torch.tensor([1, 2])
-    step = torch.compile(lambda x: torch.relu(matvec.grouped(x, w, counts)) * 2, fullgraph=True)
-    assert torch.equal(step(x), torch.relu(matvec.grouped(x, w, counts)) * 2)
+    step = torch.compile(lambda x: torch.relu(native.grouped(x, w, counts)) * 2, fullgraph=True)
+    assert torch.equal(step(x), torch.relu(native.grouped(x, w, counts)) * 2)
 
 
-BUILD = "from models import matvec; print(matvec.available())"
+BUILD = "from models.kernels import native; print(native.available())"
 
 
 @pytest.mark.slow
@@ -168,7 +169,7 @@ def test_without_the_kernel_auto_falls_back_to_onednn_with_the_same_tokens(monke
     from moe import MoEModel
 
     want = MoEModel.from_pretrained(TRAINED).generate([[1, 45, 312]], max_new_tokens=16)
-    monkeypatch.setattr(matvec, "available", lambda: False)  # as where no C++ compiler is found
+    monkeypatch.setattr(native, "available", lambda: False)  # as where no C++ compiler is found
     fallback = MoEModel.from_pretrained(TRAINED)
     assert fallback.info.cpu_kernels == "auto" and isinstance(fallback.engine.model.output.kernel, weights.OneDNN)
     assert fallback.generate([[1, 45, 312]], max_new_tokens=16) == want

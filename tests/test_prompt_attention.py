@@ -1,18 +1,22 @@
-"""A prompt's causal attention kernel (models/prompt_attention.cpp, AVX-512 builds): torch's causal SDPA within fp32
-rounding (bf16: one rounding of the result), for grouped heads, prompts that are not a multiple of its tiles or
-chunks, and strided inputs as the model passes them; and the model's prompts run it."""
+"""A prompt's causal attention kernel (models/kernels/csrc/prompt_attention.cpp, AVX-512 builds): torch's causal SDPA
+within fp32 rounding (bf16: one rounding of the result), for grouped heads, prompts that are not a multiple of its tiles
+or chunks, and strided inputs as the model passes them; and the model's prompts run it."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from models import matvec, weights
+from models import weights
 from models.attention import Attention, AttentionContext, RotaryTable
 from models.config import ModelConfig
+from models.kernels import native
+from models.kernels.choice import NATIVE_PROMPT_ATTENTION, choose
 
-pytestmark = pytest.mark.skipif(not matvec.prompt_attention_runs(), reason="the prompt attention needs AVX-512")
+pytestmark = pytest.mark.skipif(not native.prompt_attention_runs(), reason="the prompt attention needs AVX-512")
 
 
 def causal_reference(q, k, v):
@@ -34,7 +38,7 @@ def test_prompt_attention_is_causal_sdpa(shape, dtype):
     q = torch.randn(B, S, H, D, generator=g).to(dtype).transpose(1, 2)
     k = torch.randn(B, G, S + 9, D, generator=g).to(dtype)[:, :, :S]
     v = torch.randn(B, G, S, D, generator=g).to(dtype)
-    got = matvec.prompt_attention(q, k, v)
+    got = native.prompt_attention(q, k, v)
     want = causal_reference(q, k, v)
     assert got.dtype == dtype and got.shape == (B, H, S, D)
     assert got.transpose(1, 2).is_contiguous()  # the model's reshape to [B, S, H * D] is a view
@@ -50,19 +54,19 @@ def test_a_query_sees_the_same_keys_whatever_follows_it():
     as the 100-token prompt alone."""
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 2, 300, 64, generator=g) for _ in range(3))
-    whole = matvec.prompt_attention(q, k, v)
-    head = matvec.prompt_attention(q[:, :, :100], k[:, :, :100], v[:, :, :100])
+    whole = native.prompt_attention(q, k, v)
+    head = native.prompt_attention(q[:, :, :100], k[:, :, :100], v[:, :, :100])
     assert torch.equal(whole[:, :, :100], head)
 
 
 def test_prompt_attention_refuses_what_it_does_not_compute():
     q, k = torch.zeros(1, 6, 8, 64), torch.zeros(1, 4, 8, 64)
     with pytest.raises(RuntimeError, match=r"q \[B, H, S, D\], k and v \[B, G, S, D\]"):
-        matvec.prompt_attention(q, k, k)  # 4 key heads do not divide 6 query heads
+        native.prompt_attention(q, k, k)  # 4 key heads do not divide 6 query heads
     with pytest.raises(RuntimeError, match="all fp32 or all bf16"):
-        matvec.prompt_attention(q.bfloat16(), k[:, :2], k[:, :2])
+        native.prompt_attention(q.bfloat16(), k[:, :2], k[:, :2])
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        matvec.prompt_attention(q[..., :24], k[:, :2, :, :24], k[:, :2, :, :24])
+        native.prompt_attention(q[..., :24], k[:, :2, :, :24], k[:, :2, :, :24])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -75,16 +79,16 @@ def test_a_prompt_through_an_attention_block_runs_the_kernel(dtype, monkeypatch)
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.2)
     block.to(dtype)
-    weights.prepare(block, "auto")
-    assert block.prompt_kernel
+    weights.prepare(block, choose("auto", "cpu", dtype))
+    assert block.choice.attention(False, True, cfg.head_dim) == NATIVE_PROMPT_ATTENTION
     x = torch.randn(1, 70, cfg.dim).to(dtype)
     ctx = AttentionContext.build(cfg, RotaryTable(cfg), 1, 70, 0, None, x.device, dtype)
     assert ctx.is_causal
     calls = []
-    kernel = matvec.prompt_attention
-    monkeypatch.setattr(matvec, "prompt_attention", lambda *a: calls.append(1) or kernel(*a))
+    kernel = native.prompt_attention
+    monkeypatch.setattr(native, "prompt_attention", lambda *a: calls.append(1) or kernel(*a))
     got = block(x, ctx, None)
-    block.prompt_kernel = False  # torch's SDPA
+    block.choice = dataclasses.replace(block.choice, native=False)  # torch's SDPA
     want = block(x, ctx, None)
     assert calls == [1]
     tol = 2e-5 if dtype == torch.float32 else 2e-2

@@ -1,7 +1,7 @@
-"""The prompt kernel (models/prompt_gemm.cpp). int8: the same bits, row for row, as the decode kernel and as a
-naive emulation of its integer sums; exact sums at any width; NaN and infinity propagate; a block's experts on a
+"""The prompt kernel (models/kernels/csrc/prompt_gemm.cpp). int8: the same bits, row for row, as the decode kernel and
+as a naive emulation of its integer sums; exact sums at any width; NaN and infinity propagate; a block's experts on a
 prompt give each row what a decode step would. fp32 and bf16 weights: the decode kernel's bits too (both sum a row in
-one order, models/row_dot.h), within rounding of float64, zeros past the groups."""
+one order, models/kernels/csrc/row_dot.h), within rounding of float64, zeros past the groups."""
 
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ import sys
 import pytest
 import torch
 
-from models import cpu_kernels, matvec, weights
+from models import weights
+from models.kernels import native, onednn
+from models.kernels.choice import choose
 from models.mixture import GroupedExperts
 from tests.checkpoints import ROOT
 from tests.test_matvec import naive_int8
 
-pytestmark = pytest.mark.skipif(not matvec.prompts(), reason="the prompt kernel needs an AVX2 build")
+pytestmark = pytest.mark.skipif(not native.prompts(), reason="the prompt kernel needs an AVX2 build")
 
 
 @pytest.mark.parametrize("width", [512, 1792, 33, 7])  # one int32 pass, several (> 256 pairs), odd, short
@@ -31,13 +33,13 @@ def test_int8_prompt_products_match_the_decode_kernel_bit_for_bit(width, x_dtype
     scale = torch.rand(E, out, generator=g) / 100
     x = (torch.randn(n, width, generator=g) * torch.rand(n, 1, generator=g) * 10).to(x_dtype)
     c = torch.tensor(counts)
-    got = matvec.prompt_grouped(x, w, c, scale)
+    got = native.prompt_grouped(x, w, c, scale)
     assert got.dtype == x_dtype and got.shape == (n, out)
-    assert torch.equal(got, matvec.grouped(x, w, c, scale))
+    assert torch.equal(got, native.grouped(x, w, c, scale))
     assert torch.equal(got.float(), naive_int8(x, w, counts, scale).to(x_dtype).float())
     assert got[-3:].eq(0).all()
     # A row alone gives the same bits as in its group.
-    assert torch.equal(matvec.prompt_grouped(x[20:21], w[2:3], None, scale[2:3])[0], got[20])
+    assert torch.equal(native.prompt_grouped(x[20:21], w[2:3], None, scale[2:3])[0], got[20])
 
 
 @torch.inference_mode()
@@ -46,10 +48,10 @@ def test_int8_prompt_sums_cannot_overflow():
     width = 40000
     w = torch.full((1, 7, width), -127, dtype=torch.int8)
     x = torch.full((20, width), 3.0)
-    assert matvec.prompt_grouped(x, w, None, torch.ones(1, 7)).eq(-127 * 3.0 * width).all()
+    assert native.prompt_grouped(x, w, None, torch.ones(1, 7)).eq(-127 * 3.0 * width).all()
 
 
-@pytest.mark.parametrize("kernel", [matvec.grouped, matvec.prompt_grouped])
+@pytest.mark.parametrize("kernel", [native.grouped, native.prompt_grouped])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 @torch.inference_mode()
 def test_int8_rows_that_are_not_finite_propagate(kernel, bad):
@@ -70,11 +72,11 @@ def test_a_prompt_through_the_experts_gives_each_row_its_decode_result(dtype, in
     for p in (experts.w1, experts.w2, experts.w3):
         torch.nn.init.normal_(p, std=0.1)
     experts.to(dtype)
-    weights.prepare(experts, "auto", int8=int8)
-    if not int8 and dtype == torch.bfloat16 and cpu_kernels.native_bf16():
-        assert not experts.prompts  # bf16 prompts run oneDNN's bf16 products on such a CPU (`weights.prompt_kernel`)
+    weights.prepare(experts, choose("auto", "cpu", dtype, int8))
+    if not int8 and dtype == torch.bfloat16 and onednn.native_bf16():
+        assert not experts.choice.native_prompts  # bf16 prompts run oneDNN's bf16 products on such a CPU
         pytest.skip("a CPU with bf16 instructions: bf16 prompts run oneDNN, not the prompt kernel")
-    assert experts.prompts
+    assert experts.choice.native_prompts
     counts = torch.tensor([30, 0, 41, 9])
     x = torch.randn(80, 64).to(dtype)
     prompt = experts(x, counts)
@@ -92,20 +94,21 @@ def test_a_prompt_through_the_experts_gives_each_row_its_decode_result(dtype, in
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
 @torch.inference_mode()
 def test_float_prompt_products_match_the_decode_kernel_bit_for_bit(width, w_dtype):
-    """Both kernels sum a row in one order (models/row_dot.h), so a row's result does not depend on its batch or on
-    which kernel computes it: a prompt, its decode steps and the same rows on other ranks agree to the last bit."""
+    """Both kernels sum a row in one order (models/kernels/csrc/row_dot.h), so a row's result does not depend on its
+    batch or on which kernel computes it: a prompt, its decode steps and the same rows on other ranks agree to the last
+    bit."""
     g = torch.Generator().manual_seed(width)
     counts = [17, 0, 40, 13]
     w = torch.randn(4, 101, width, generator=g).to(w_dtype)
     x = torch.randn(sum(counts) + 3, width, generator=g).to(w_dtype)
-    got = matvec.prompt_grouped(x, w, torch.tensor(counts))
+    got = native.prompt_grouped(x, w, torch.tensor(counts))
     assert got.dtype == w_dtype and got[-3:].eq(0).all()
-    assert torch.equal(got, matvec.grouped(x, w, torch.tensor(counts)))
+    assert torch.equal(got, native.grouped(x, w, torch.tensor(counts)))
     want = torch.cat([x[a:a + n].double() @ w[e].double().T
                       for e, (a, n) in enumerate(zip([0, 17, 17, 57], counts, strict=True))])
     tol = 2e-6 if w_dtype == torch.float32 else 8e-3  # fp32 sums; bf16: one rounding of the result
     assert ((got[:70].double() - want).abs().max() / want.abs().max()) < tol
-    assert torch.equal(matvec.prompt_grouped(x[20:21], w[2:3])[0], got[20])  # alone, as in its group
+    assert torch.equal(native.prompt_grouped(x[20:21], w[2:3])[0], got[20])  # alone, as in its group
 
 
 @torch.inference_mode()
@@ -119,7 +122,7 @@ def test_bf16_outputs_are_rounded_as_torch_rounds_fp32():
     w[0, :4, 0], w[0, 4:7, 1] = ties, torch.tensor([3e38, -3e38, float("nan")])  # 2 * 3e38 overflows
     x = torch.zeros(64, 48, dtype=torch.bfloat16)
     x[torch.arange(64), torch.arange(64) % 48] = 2.0
-    got = matvec.prompt_grouped(x, w)
+    got = native.prompt_grouped(x, w)
     want = (x.float() @ w[0].T).bfloat16()
     assert want.isinf().any() and want.isnan().any()
     assert torch.equal(got.isnan(), want.isnan())
@@ -128,17 +131,17 @@ def test_bf16_outputs_are_rounded_as_torch_rounds_fp32():
 
 def test_prompt_products_refuse_a_scale_for_float_weights_and_need_one_for_int8():
     with pytest.raises(RuntimeError, match="int8 weights need a scale"):
-        matvec.prompt_grouped(torch.zeros(2, 8), torch.zeros(1, 4, 8), None, torch.ones(1, 4))
+        native.prompt_grouped(torch.zeros(2, 8), torch.zeros(1, 4, 8), None, torch.ones(1, 4))
     with pytest.raises(RuntimeError, match="int8 weights need a scale"):
-        matvec.prompt_grouped(torch.zeros(2, 8), torch.zeros(1, 4, 8, dtype=torch.int8))
+        native.prompt_grouped(torch.zeros(2, 8), torch.zeros(1, 4, 8, dtype=torch.int8))
 
 
 OTHER_BUILD = """
 import hashlib
 import torch
-from models import matvec
-assert matvec.available(), matvec.why_unavailable()
-print(matvec._simd_flags()[0])
+from models.kernels import native
+assert native.available(), native.why_unavailable()
+print(native._simd_flags()[0])
 g = torch.Generator().manual_seed(0)
 ops = torch.ops.moe_cpu
 c = torch.tensor([9, 0, 20])
@@ -173,7 +176,7 @@ def test_every_build_gives_both_kernels_the_same_bits_as_this_one(flavour, tmp_p
     fp32 and bf16 results are this build's too (AVX2 or AVX-512: 6 or 12 weight rows per inner loop, 8 or 16 lanes,
     the same multiply-adds per lane); without, two roundings per multiply-add (never fused by the compiler) give
     other fp32 bits."""
-    own = matvec._simd_flags()[0]
+    own = native._simd_flags()[0]
     if flavour == own:
         pytest.skip(f"this CPU's own build is {flavour}: the other tests run it")
     other, mine = _build_run(flavour, tmp_path), _build_run(None, tmp_path)
@@ -183,10 +186,10 @@ def test_every_build_gives_both_kernels_the_same_bits_as_this_one(flavour, tmp_p
 
 
 def test_an_unknown_kernel_build_is_refused_in_one_line(monkeypatch):
-    matvec._simd_flags.cache_clear()
+    native._simd_flags.cache_clear()
     monkeypatch.setenv("MOE_CPU_KERNELS", "avx1024")
     try:
         with pytest.raises(ValueError, match="MOE_CPU_KERNELS='avx1024': one of generic, avx2, avx512"):
-            matvec._simd_flags()
+            native._simd_flags()
     finally:
-        matvec._simd_flags.cache_clear()
+        native._simd_flags.cache_clear()

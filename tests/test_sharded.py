@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import matvec
+from models.kernels import native
 from moe import MoEModel
 from moe.parallel.placement import Placement
 from tests.checkpoints import tiny_config, write_checkpoint
@@ -31,11 +31,11 @@ def reference(request, tmp_path_factory):
 
 
 def assert_same_logits(got: torch.Tensor, want: torch.Tensor, top_k: int, exact: bool = True) -> None:
-    """The same bits where our CPU kernels compute every product (they sum each row in one order, whatever the
-    batch or the kernel: models/row_dot.h), where no expert is split over ranks, and with at most 2 experts per
-    token (0 + a + b is the same sum in either order; a third copy's result, summed on another rank, is added
-    in another order); within rounding otherwise."""
-    if exact and top_k <= 2 and matvec.prompts():
+    """The same bits where our CPU kernels compute every product (they sum each row in one order, whatever the batch or
+    the kernel: models/kernels/csrc/row_dot.h), where no expert is split over ranks, and with at most 2 experts per
+    token (0 + a + b is the same sum in either order; a third copy's result, summed on another rank, is added in another
+    order); within rounding otherwise."""
+    if exact and top_k <= 2 and native.prompts():
         assert torch.equal(got, want), (got - want).abs().max().item()
     else:
         assert (got - want).abs().max().item() < 1e-5

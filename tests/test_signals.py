@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from models import matvec
+from models.kernels import native
 from tests.checkpoints import ROOT, TRAINED
 from tests.waiting import wait_gone
 
@@ -39,7 +39,7 @@ def blocked_on(pid: int) -> str:
 
 @pytest.mark.parametrize("gpus", ["1", "2"])
 def test_sigint_mid_generation_ends_with_one_line_and_status_130(gpus, tmp_path):
-    matvec.available()  # built here if this is their first use: the command's stderr is then only its own
+    native.available()  # built here if this is their first use: the command's stderr is then only its own
     prompts = tmp_path / "prompts.txt"  # a batch, so that generating takes a while
     prompts.write_text("\n".join(f"Chapter {i}. It is a truth universally acknowledged" for i in range(48)))
     # Ctrl-C reaches the command as from a terminal: a shell starts a background job (`.ci/run ... &`) with SIGINT

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from models.kernels.choice import choose
 from models.mixture import GroupedExperts
 from moe import MoEModel
 from moe.bench.syncs import HostSyncCounter
@@ -35,7 +36,7 @@ def test_grouped_experts_match_the_per_expert_loop():
     experts = GroupedExperts(32, 48, [0, 1, 2, 3])
     for p in experts.parameters():
         p.data.normal_(0, 0.2)
-    experts.prepare_weights("torch", int8=False)
+    experts.prepare_weights(choose("torch", "cpu", torch.float32))
     x = torch.randn(9, 32)
     counts = torch.tensor([3, 0, 4, 1])  # 8 rows for these experts; the 9th is for none of them
     experts.offsets_on_device = True

@@ -53,17 +53,17 @@ def read_bandwidth(threads: int, mib: int = 512, repeats: int = 9) -> float:
 def matmul_peak(threads: int, dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 7) -> dict:
     """GFLOP/s of a large square matrix product, median of `repeats`: with torch's `a @ b` (MKL on CPU, the
     figure the issue's targets use) and, where available, oneDNN with a packed weight (what we run). bf16 on a CPU
-    without bf16 instructions: the fp32 peak, since prompts widen to fp32 there (`cpu_kernels.widened`)."""
-    from models import cpu_kernels
+    without bf16 instructions: the fp32 peak, since prompts widen to fp32 there (`onednn.widened`)."""
+    from models.kernels import onednn
 
     torch.set_num_threads(threads)
-    if dtype == torch.bfloat16 and not cpu_kernels.native_bf16():
+    if dtype == torch.bfloat16 and not onednn.native_bf16():
         dtype = torch.float32
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     peaks = {"torch": 2 * n**3 / _median_seconds(lambda: a @ b, repeats) / 1e9}
-    if cpu_kernels.can_pack(b):
-        packed = cpu_kernels.pack(b)
-        peaks["onednn"] = 2 * n**3 / _median_seconds(lambda: cpu_kernels.linear(a, packed), repeats) / 1e9
+    if onednn.can_pack(b):
+        packed = onednn.pack(b)
+        peaks["onednn"] = 2 * n**3 / _median_seconds(lambda: onednn.linear(a, packed), repeats) / 1e9
     return peaks
 
 

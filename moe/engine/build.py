@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from models import weights
+from models.kernels.choice import choose
 from models.transformer import Transformer
 from moe.checkpoint.formats import CheckpointFormat, detect
 from moe.checkpoint.loader import INT8, activation_dtype, load_into, parse_dtype
@@ -19,8 +20,9 @@ def build_model(directory: str | Path, dtype: str | torch.dtype | None = None, d
                 prune: Callable[[Transformer], None] | None = None,
                 progress: Progress | None = None,
                 kernels: str | None = None) -> tuple[Transformer, CheckpointFormat, dict]:
-    """`kernels` ("auto", "onednn" or "torch"; see `models.weights`): an inference model, its linear weights converted
-    to their fastest format block by block as they are read; `dtype="int8"` (inference only) quantizes them."""
+    """`kernels` ("auto", "onednn" or "torch"; `models.kernels.choice`): an inference model, its linear weights
+    converted to their fastest format block by block as they are read; `dtype="int8"` (inference only) quantizes
+    them."""
     ckpt = detect(directory)
     int8 = dtype == INT8
     if int8 and kernels is None:
@@ -31,12 +33,16 @@ def build_model(directory: str | Path, dtype: str | torch.dtype | None = None, d
     full_shapes = {k: v.shape for k, v in model.state_dict().items()}
     if prune is not None:
         prune(model)
+    choice = choose(kernels, device, torch_dtype, int8) if kernels is not None else None
+
     def convert(unit: torch.nn.Module) -> None:  # as each block is read: the originals go before the next one
-        weights.prepare(unit, kernels, int8)
+        weights.prepare(unit, choice)
         return_freed_memory()
 
     stats = load_into(model, ckpt, directory, full_shapes, torch_dtype, device, progress,
-                      on_unit=convert if kernels is not None else None)
+                      on_unit=convert if choice is not None else None)
+    if choice is not None:  # what this rank runs, for `model.info` and the ranks' agreement (`moe.api`)
+        stats |= {"kernels": choice.describe(), "kernel_settings": choice.settings()}
     materialize_buffers(model, device)
     model.eval().requires_grad_(False)
     return model, ckpt, stats

@@ -4,8 +4,8 @@ on N ranks each rank's where every rank runs the whole step (`moe.engine.replica
 of the graph, `moe.parallel.distributed`).
 
 On CPU inductor fuses the step's small operations (norms, rotary, routing, the weighted sum) around the streaming
-kernel (an opaque op to it, `models.matvec`); on CUDA, `mode="reduce-overhead"` captures the step as a CUDA graph
-(never run on CUDA yet). Caches are kept from one request to the next and their length rounded up to
+kernel (an opaque op to it, `models.kernels.native`); on CUDA, `mode="reduce-overhead"` captures the step as a CUDA
+graph (never run on CUDA yet). Caches are kept from one request to the next and their length rounded up to
 `CACHE_BUCKET` slots, so a new request of the same batch size reuses both the cache and the compiled graph (the
 mask hides slots past the current one, which may hold an earlier request's keys).
 

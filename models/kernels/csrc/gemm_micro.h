@@ -1,4 +1,4 @@
-// The inner loops of the prompt products (models/prompt_gemm.cpp): a block of 16 activation rows against COLS
+// The inner loops of the prompt products (models/kernels/csrc/prompt_gemm.cpp): a block of 16 activation rows against COLS
 // widened weight rows, over a range of the depth, into 16 x COLS totals (fp32: one of their 8 chains). One block
 // row per vector lane, a weight value broadcast to all lanes, every accumulator in a register of its own (named:
 // with an array GCC kept them in memory, at a third of the speed). AVX2: 6 weight rows, 12 accumulators of 8
@@ -123,7 +123,7 @@ inline void micro_int8(const int32_t* A, const int16_t* B, int64_t stride, int64
 #endif
 }
 
-// Chain j of `dot_rows` (models/row_dot.h) for a 16 x COLS block of outputs, continued over columns [k0, k1)
+// Chain j of `dot_rows` (models/kernels/csrc/row_dot.h) for a 16 x COLS block of outputs, continued over columns [k0, k1)
 // (multiples of 8, below `chained`): tot[c * 16 + r] for output (c, r), started from 0 when k0 is 0, takes
 // A[k][r] * B[c][k] for k = k0 + j, k0 + j + 8, ... by one multiply-add each. A and B hold these columns chain by
 // chain (gemm_layout.h: `chain_major`), so the chain's are read contiguously, with the 12 accumulators in

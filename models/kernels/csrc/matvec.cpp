@@ -6,19 +6,19 @@
 // streams a contiguous range of weight rows once, as 4 runs read side by side, against every activation row of the
 // group (they stay in L1); int8 and bf16 weights are also asked for 1 KiB ahead of the reads. Each output is
 // summed in the same order whatever the number of rows or threads, and in the prompt kernel's order
-// (models/prompt_gemm.cpp), so a row's result depends neither on its batch nor on which kernel computes it.
+// (models/kernels/csrc/prompt_gemm.cpp), so a row's result depends neither on its batch nor on which kernel computes it.
 //
 // fp32 and bf16 weights: one 8-lane fp32 accumulator per weight row (bf16 widened on load), 4 rows at a time
 // (row_dot.h: `dot_rows`, which states the order). Measured against one row at a time with 4 accumulators (a sum
 // in another order), on the `small` model's decode shapes with weights from memory: 10-30% faster, since 4 chains
 // of multiply-adds hide their latency as well and the prefetcher follows 4 streams. int8 weights: each activation
-// row is first rounded to 16-bit integers against its largest magnitude (models/int8_rows.h), and the dot product
+// row is first rounded to 16-bit integers against its largest magnitude (models/kernels/csrc/int8_rows.h), and the dot product
 // is summed exactly in integers (int16 x int8 pairs, int32 lanes widened to int64 every 4096 elements, so no sum
 // can overflow): 2.5x fewer instructions per weight than widening each int8 to fp32, and an exact sum whose order
 // cannot matter (the 4 runs read side by side: 5-10% faster than one row at a time). A call whose rows hold a NaN
 // or an infinity takes the fp32 path instead, so they propagate as they would in fp32.
 //
-// Built on first use by models/matvec.py (torch.utils.cpp_extension, with -fopenmp so that at::parallel_for
+// Built on first use by models/kernels/native.py (torch.utils.cpp_extension, with -fopenmp so that at::parallel_for
 // runs on torch's own OpenMP threads). Weights: fp32, bf16 or int8 (with per-row fp32 scales); activations
 // fp32 or bf16, accumulated in fp32 (int8: in integers); the output has the activations' dtype.
 

@@ -1,5 +1,5 @@
 // A prompt's causal self-attention from the first cache slot (no earlier keys, no padding), in fp32, on CPUs whose
-// build has AVX-512 (models/gemm_micro.h: MOE_GEMM_AVX512).
+// build has AVX-512 (models/kernels/csrc/gemm_micro.h: MOE_GEMM_AVX512).
 //
 // out[b, s, h] = sum_j p_j v[b, g, j] over keys j <= s, p = softmax(scale * q[b, h, s] . k[b, g, j]), g = h / (H / G):
 // what torch's causal SDPA computes. torch's CPU flash attention calls a BLAS product per block of 64 queries and 64
@@ -186,7 +186,7 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(q.size(3) % 16 == 0, "prompt_attention: a head dim that is a multiple of 16, got ", q.size(3));
   return q.scalar_type() == at::kFloat ? run<float>(q, k, v) : run<c10::BFloat16>(q, k, v);
 #else
-  TORCH_CHECK(false, "prompt_attention: built without AVX-512 (models/matvec.py: `prompt_attention_runs`)");
+  TORCH_CHECK(false, "prompt_attention: built without AVX-512 (models/kernels/native.py: `prompt_attention_runs`)");
 #endif
 }
 

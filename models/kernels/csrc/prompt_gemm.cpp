@@ -1,13 +1,13 @@
 // Grouped products for prompts (many rows per weight): y[n] = scale[e] * (w[e] @ x[n]) for the rows n of group e
 // (counts[e] of them, in order; rows past the last group are zeros), the contract of grouped_matvec
-// (models/matvec.cpp), at a matrix product's arithmetic rate.
+// (models/kernels/csrc/matvec.cpp), at a matrix product's arithmetic rate.
 //
-// int8 weights: each activation row is rounded to int16 (models/int8_rows.h) and every dot product is summed
+// int8 weights: each activation row is rounded to int16 (models/kernels/csrc/int8_rows.h) and every dot product is summed
 // exactly in integers, so a row's result is the bits the decode kernel gives it, whatever the batch or blocking:
 // a prompt and the decode steps after it compute with the same numbers. Lanes hold at most 256 pair-sums of at
 // most 2 * 127 * 32767 each (< 2^31), then are added into int64 totals. A call whose rows hold a NaN or an
 // infinity computes in fp32 instead, so they propagate.
-// fp32 and bf16 weights: fp32 products and sums in the decode kernel's order (models/row_dot.h: `dot_rows`), so
+// fp32 and bf16 weights: fp32 products and sums in the decode kernel's order (models/kernels/csrc/row_dot.h: `dot_rows`), so
 // here too a row's result is the decode kernel's bits, whatever the batch: each output's 8 chains (one per column
 // modulo 8) are summed one at a time, each over its columns stored side by side (gemm_layout.h: `chain_major`),
 // then added in dot_rows' order. Against one chain per output (the order before), 0-10% slower.
@@ -15,11 +15,11 @@
 // Layout: rows are taken 16 at a time (read in their own dtype, bf16 or fp32) and transposed so that one vector
 // lane holds one row (int8: a 32-bit lane holds a row's two int16 values of a pair of columns), weight rows are
 // widened (int16 or fp32), 48 at a time, and a 16 x 6 (AVX-512: 16 x 12) block of outputs is 12 vector
-// accumulators (models/gemm_micro.h); 256 steps of the depth of 16 rows (int8: 16 KB) stay in L1 while the 48
+// accumulators (models/kernels/csrc/gemm_micro.h); 256 steps of the depth of 16 rows (int8: 16 KB) stay in L1 while the 48
 // weight rows pass (fp32: up to 2048 columns, 256 of each chain, at a time, for longer runs of the inner loop). Work
 // items of equal cost (a panel of weight rows against a block of rows; a thread widens a panel once for its
 // consecutive items on it). A finished 16 x 48 block goes to its rows through 8 x 8 transposes
-// (models/gemm_layout.h): written one value at a time, the finish took a sixth of the time at depth 512.
+// (models/kernels/csrc/gemm_layout.h): written one value at a time, the finish took a sixth of the time at depth 512.
 //
 // 2 threads on the AVX2 EPYC (3.2 GHz), 64-512 rows against in = 512 .. 14336: int8 238-263 GFLOP/s (the inner
 // loop alone, in cache: 1.5 vpmaddwd a cycle, ~300), where oneDNN on the weights widened to fp32 gives 95-141;

@@ -1,4 +1,4 @@
-// Moving values between row-major tensors and the prompt kernel's blocks (models/prompt_gemm.cpp): a block of 16
+// Moving values between row-major tensors and the prompt kernel's blocks (models/kernels/csrc/prompt_gemm.cpp): a block of 16
 // rows is stored depth-major ([depth][16], one row per vector lane) and its outputs come out column-major
 // ([cols][16]). Both moves are 8 x 8 transposes in registers, so rows are read and written 8 values at a time:
 // done one value at a time, the finish took 15% of a prompt product at depth 512, the packing 15% at depth 1792.

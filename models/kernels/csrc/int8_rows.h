@@ -1,5 +1,5 @@
-// Activation rows rounded to 16-bit integers for the int8 kernels (models/matvec.cpp for decode steps,
-// models/prompt_gemm.cpp for prompts): both round a row the same way, so a row's result is the same bits whichever
+// Activation rows rounded to 16-bit integers for the int8 kernels (models/kernels/csrc/matvec.cpp for decode steps,
+// models/kernels/csrc/prompt_gemm.cpp for prompts): both round a row the same way, so a row's result is the same bits whichever
 // kernel computes it.
 //
 // x ~ scale * q with scale = max|x| / 32767 and q = round-half-even(x / scale): an absolute error of at most

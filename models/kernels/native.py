@@ -36,7 +36,7 @@ import torch
 # The decode kernel, the prompt kernel, the activation rounding both use for int8, the fp32 row product the decode
 # kernel and the decode attention share, the prompt kernel's inner loops and its moves between rows and blocks, a
 # decode step's attention, a prompt's.
-SOURCES = [Path(__file__).with_name(name)
+SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("matvec.cpp", "prompt_gemm.cpp", "int8_rows.h", "row_dot.h", "gemm_micro.h", "gemm_layout.h",
                         "decode_attention.cpp", "prompt_attention.cpp")]
 # Up to this many rows per weight the kernel runs (a decode step, small batches); more rows (prompts) are bound
@@ -100,14 +100,14 @@ def available() -> bool:
         if not _load_built(library):
             from torch.utils import cpp_extension
 
-            print("building the CPU kernels (models/matvec.cpp, prompt_gemm.cpp, decode_attention.cpp, "
+            print("building the CPU kernels (models/kernels/csrc: matvec.cpp, prompt_gemm.cpp, decode_attention.cpp, "
                   "prompt_attention.cpp), once per torch installation: 20-40 s", file=sys.stderr)
             library.parent.mkdir(parents=True, exist_ok=True)
             cpp_extension.load(name=name, sources=[str(p) for p in SOURCES if p.suffix == ".cpp"],
                                build_directory=str(library.parent), is_python_module=False,
                                extra_cflags=[*CFLAGS, *flags], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: the model still runs, on oneDNN/MKL
-        _why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        _why = first_error(exc)
         return False
     _register_fake()
     return True
@@ -144,6 +144,21 @@ def _load_built(library: Path) -> bool:
         library.unlink(missing_ok=True)
         return False
     return True
+
+
+def first_error(exc: Exception) -> str:
+    """The line of a failed build that says what went wrong: the compiler's first error (ninja's log holds every
+    command and its output), else the exception's last line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower() and not line.startswith(("FAILED:", "ninja:"))]
+    found = errors[0] if errors else lines[-1] if lines else ""
+    return f"{type(exc).__name__}: {found}"[:300]
+
+
+def flavour() -> str:
+    """This CPU's build of the kernels: "avx512vnni", "avx512", "avx2" or "generic" (`MOE_CPU_KERNELS` can ask for
+    less)."""
+    return _simd_flags()[0]
 
 
 def prompts() -> bool:

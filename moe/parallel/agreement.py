@@ -1,0 +1,28 @@
+"""Ranks that must compute the same bits check that they do: at load, the kernels and the settings that change
+bits (`KernelChoice.settings`) are compared across every rank's load report, and a difference stops the load with
+one line naming the rank and the setting; while running, ranks that route the same tokens compare a checksum of
+their routing once per request (`RoutingDiverged`), so a silent divergence becomes a clear error."""
+
+from __future__ import annotations
+
+
+class RanksDisagree(ValueError):
+    """Ranks loaded with different kernels or settings: a setup error (one line, exit status 2)."""
+
+
+class RoutingDiverged(RuntimeError):
+    """Ranks that route the same tokens chose different experts: their kernels or inputs differ."""
+
+
+def check_reports_agree(reports: list[dict], key: str = "kernel_settings") -> None:
+    """Every rank's `key` equals rank 0's, or one line that names the first rank and setting that differ."""
+    first = reports[0].get(key)
+    for rank, report in enumerate(reports[1:], start=1):
+        other = report.get(key)
+        if other == first:
+            continue
+        names = sorted(set(first or {}) | set(other or {}))
+        name = next(n for n in names if (first or {}).get(n) != (other or {}).get(n))
+        raise RanksDisagree(f"rank {rank} loaded with {name}={(other or {}).get(name)!r} where rank 0 has "
+                            f"{(first or {}).get(name)!r}: every rank must run the same kernels and settings (the same "
+                            "torch, cpu_kernels and MOE_CPU_KERNELS, on CPUs of one kind)")
