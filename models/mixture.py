@@ -178,6 +178,12 @@ class GroupedExperts(nn.Module):
                 destination[prefix + name] = self.dense(name)
 
 
+def routing_checksum(ids_TK: torch.Tensor) -> torch.Tensor:
+    """A number that changes when any token's choice of experts does: each chosen id weighted by its place."""
+    flat = ids_TK.reshape(-1)
+    return ((flat + 1) * torch.arange(1, flat.numel() + 1, device=flat.device)).sum()
+
+
 def grouped_mm_runs(w: torch.Tensor) -> bool:
     """`torch._grouped_mm` runs these stacked experts: bf16 on a CUDA GPU that the installed torch has the grouped
     product for (Hopper, compute capability 9.0, and later). Elsewhere experts run one by one (never run on CUDA)."""
@@ -317,9 +323,16 @@ class MoEFeedForward(nn.Module):
         # compiled step updates it inside its graph, as it does `load_counts`.
         self.register_buffer("received_rows", torch.zeros((), dtype=torch.long), persistent=False)
         self.counts_received = False
+        # Where several ranks route the same tokens (an expert group that splits every expert, replicated attention
+        # running every sequence on every rank), each keeps a checksum of the experts it chose, which the ranks
+        # compare once per request (`moe.parallel.agreement`): a few elementwise ops per block and step, on device.
+        self.register_buffer("route_check", torch.zeros((), dtype=torch.long), persistent=False)
+        self.checks_routing = False
 
     def forward(self, x_TD: torch.Tensor, decoding: bool = False) -> torch.Tensor:
         weights_TK, ids_TK = self.gate(x_TD, self.counts_load)
+        if self.checks_routing:
+            self.route_check.add_(routing_checksum(ids_TK))
         if self.counts_load:
             self.load_counts[int(decoding)] += count_per_id(ids_TK.reshape(-1), self.n_experts)  # on device, no sync
         return self.run_experts(x_TD, weights_TK, ids_TK)

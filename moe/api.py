@@ -12,6 +12,7 @@ import dataclasses
 import sys
 import threading
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from moe.engine.base import Engine
 from moe.engine.build import build_model
 from moe.engine.layouts import compilable_plan
 from moe.engine.local import LocalEngine
+from moe.errors import USER_ERRORS, RankFailure
 from moe.generation import SamplingParams, check_prompts
 from moe.memory import MemoryUse, available_mib, peak_memory_mib
 from moe.parallel.agreement import check_reports_agree
@@ -120,6 +122,7 @@ class MoEModel:
     def __init__(self, engine: Engine, config: ModelConfig, tokenizer: Tokenizer | None, info: ModelInfo) -> None:
         self.engine, self.config, self._tokenizer, self.info = engine, config, tokenizer, info
         self._lock = threading.Lock()  # one call at a time: the ranks run one request in lock-step
+        self._broken = ""  # under torchrun: why this rank's model can no longer be used
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype | None = None, device: str = "auto",
@@ -225,6 +228,26 @@ class MoEModel:
                                       compiled=compile)
         return cls(engine, cfg, tokenizer, announce(info))
 
+    @contextmanager
+    def _calling(self):
+        """One call at a time. Under torchrun this process is a rank: a user error's type raised after the call's
+        first collective is no user error (the other ranks may wait in a collective this one will not enter), so it
+        ends this model with the rank named, as a rank process's would (`moe.workers.rank.serve`)."""
+        with self._lock:
+            if self._broken:
+                raise RankFailure(f"this model can no longer be used ({self._broken}); load it again")
+            dist = getattr(self.engine, "dist", None) if self.info.launch == "torchrun" else None
+            entered = dist.collectives if dist is not None else 0
+            try:
+                yield
+            except USER_ERRORS as e:
+                if dist is None or dist.collectives == entered:
+                    raise
+                line = str(e).splitlines()[0] if str(e) else ""
+                self._broken = (f"rank {self.info.rank} raised {type(e).__name__} after the call's first collective: "
+                                f"{line}")
+                raise RankFailure(self._broken) from e
+
     @property
     def rank(self) -> int:
         """This process's rank: 0 unless under torchrun, where every rank runs the same calls."""
@@ -242,12 +265,12 @@ class MoEModel:
             raise ValueError(f"input_ids must be a LongTensor [batch, seq], "
                              f"got {input_ids.dtype} {list(input_ids.shape)}")
         check_prompts(input_ids.tolist(), self.config.vocab_size, self.config.max_seq_len + 1)
-        with self._lock:
+        with self._calling():
             return self.engine.logits(input_ids)
 
     def random_seed(self) -> int:
         """A fresh seed, drawn on one rank and shared, so a printed seed reproduces the sampled text."""
-        with self._lock:
+        with self._calling():
             return self.engine.random_seed()
 
     def generate(self, prompts: list[str] | list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
@@ -280,7 +303,7 @@ class MoEModel:
                     streamer(b, piece)
         elif streamer is not None:
             on_token = streamer
-        with self._lock:
+        with self._calling():
             if seed is None:
                 params = dataclasses.replace(params, seed=self.engine.random_seed())
             result = self.engine.generate(ids, params, eos, self.config.max_seq_len, on_token)
@@ -320,12 +343,12 @@ class MoEModel:
         refuse_non_empty(path)  # here, before the ranks start writing: a user error must not stop them
         size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
         tokenizer = str(self._tokenizer.path) if self._tokenizer is not None else None
-        with self._lock:
+        with self._calling():
             return self.engine.save(str(path.resolve()), size, tokenizer, progress)
 
     def memory(self) -> list[MemoryUse]:
         """Each rank's memory in MiB: host peak resident, and on a GPU allocated, reserved and peak."""
-        with self._lock:
+        with self._calling():
             return self.engine.memory()
 
     def peak_memory_mib(self) -> list[float]:
@@ -334,7 +357,7 @@ class MoEModel:
 
     def expert_load(self) -> ExpertLoadReport:
         """Which experts and ranks received how many token copies since loading (or the last reset)."""
-        with self._lock:
+        with self._calling():
             counts, entropy, received = self.engine.load_stats()
         placement = self.info.placement or Placement.default(self.config.n_layers, self.config.n_experts, 1)
         tokens = int(counts.sum()) // (self.config.top_k * self.config.n_layers)
@@ -345,16 +368,16 @@ class MoEModel:
     def track_router_entropy(self, enabled: bool = True) -> None:
         """Sum each router's entropy for `expert_load()` reports (a few kernels per block and step, so off
         unless asked for; the expert-load commands turn it on)."""
-        with self._lock:
+        with self._calling():
             self.engine.track_entropy(enabled)
 
     def reset_expert_load(self) -> None:
-        with self._lock:
+        with self._calling():
             self.engine.reset_load_stats()
 
     def set_debug_routing(self, round_robin: bool) -> None:
         """Round-robin routing (copy j of token t to expert (t*K+j) % E): exact, predictable loads for tests."""
-        with self._lock:
+        with self._calling():
             self.engine.set_round_robin(round_robin)
 
     def close(self) -> None:

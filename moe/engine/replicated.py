@@ -54,6 +54,12 @@ class ReplicatedAttentionEngine(ShardedEngine):
         """Every rank runs every sequence of this batch (the module docstring says when and why)."""
         return batch < self.dist.world_size and self.step.exchange == "auto" and self._routes_alike
 
+    def routes_alike(self, batch: int) -> dict[int, tuple[int, ...]]:
+        """A batch that every rank runs whole: every rank routes every block's tokens."""
+        if self.redundant(batch):
+            return dict.fromkeys(range(self.model.cfg.n_layers), tuple(range(self.dist.world_size)))
+        return super().routes_alike(batch)
+
     def my_rows(self, batch: int) -> torch.Tensor:
         return torch.arange(batch) if self.redundant(batch) else torch.arange(*self._bounds(batch)[self.rank])
 

@@ -23,6 +23,7 @@ from models.transformer import Transformer, real_token_rows
 from moe.checkpoint.distributed_save import save_distributed
 from moe.generation import GenerationResult, SamplingParams, generate_tokens
 from moe.memory import MemoryUse
+from moe.parallel.agreement import check_routing_agrees
 from moe.parallel.distributed import DistContext
 from moe.parallel.gather import StepRows
 from moe.parallel.placement import Placement
@@ -46,6 +47,9 @@ class ShardedEngine:
         self.no_rows = (torch.empty(0, cfg.dim, dtype=dtype, device=dist.device),
                         torch.empty(0, cfg.top_k, device=dist.device),
                         torch.empty(0, cfg.top_k, dtype=torch.long, device=dist.device))
+        for i, ranks in self.routes_alike(batch=1).items():  # the blocks whose routing ranks compare
+            if self.rank in ranks:
+                self.model.layers[str(i)].feed_forward.checks_routing = True
 
     @property
     def head_rank(self) -> int:
@@ -197,11 +201,38 @@ class ShardedEngine:
         local = dataclasses.replace(ctx, cos=ctx.cos[a:b], sin=ctx.sin[a:b], mask=mask)
         return local, real_token_rows(pad, seq, start, self.dist.device)
 
+    def routes_alike(self, batch: int) -> dict[int, tuple[int, ...]]:
+        """Per block, the ranks that route the same tokens of a batch of `batch` sequences, where several do: the
+        ranks of one group that splits every expert and holds the block's tokens."""
+        alike = {}
+        for i in range(len(self.placement.block_ranks)):
+            s = self.placement.strategy(i)
+            if s.local_tensor_experts and len(s.expert_groups[0]) > 1:
+                alike[i] = s.expert_groups[0]
+        return alike
+
+    def check_routing(self, alike: dict[int, tuple[int, ...]]) -> None:
+        """Ranks that routed the same tokens chose the same experts (one all-gather a request), or every rank raises
+        `RoutingDiverged`."""
+        local = torch.zeros(self.model.cfg.n_layers, dtype=torch.long, device=self.dist.device)
+        for name, block in self.model.layers.items():
+            if block.feed_forward is not None and block.feed_forward.checks_routing:
+                local[int(name)] = block.feed_forward.route_check
+        gathered = self.dist.all_gather(local[None]).cpu()  # [ranks, blocks]
+        check_routing_agrees(gathered, alike)
+
     # -- the Engine interface ----------------------------------------------------------------------
     def generate(self, ids: list[list[int]], params: SamplingParams, eos: int | None, context: int,
                  on_token: Callable[[int, int], None] | None = None,
                  should_stop: Callable[[], bool] | None = None) -> GenerationResult:
-        return generate_tokens(self, ids, params, eos, context, on_token, should_stop)
+        alike = self.routes_alike(len(ids))
+        for block in self.model.layers.values():
+            if block.feed_forward is not None:
+                block.feed_forward.route_check.zero_()
+        result = generate_tokens(self, ids, params, eos, context, on_token, should_stop)
+        if alike and not result.cancelled:
+            self.check_routing(alike)
+        return result
 
     def logits(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         logits = self.tokens_to_logits(tokens_BS, 0, None, None, last_only=False)

@@ -5,6 +5,8 @@ their routing once per request (`RoutingDiverged`), so a silent divergence becom
 
 from __future__ import annotations
 
+import torch
+
 
 class RanksDisagree(ValueError):
     """Ranks loaded with different kernels or settings: a setup error (one line, exit status 2)."""
@@ -26,3 +28,14 @@ def check_reports_agree(reports: list[dict], key: str = "kernel_settings") -> No
         raise RanksDisagree(f"rank {rank} loaded with {name}={(other or {}).get(name)!r} where rank 0 has "
                             f"{(first or {}).get(name)!r}: every rank must run the same kernels and settings (the same "
                             "torch, cpu_kernels and MOE_CPU_KERNELS, on CPUs of one kind)")
+
+
+def check_routing_agrees(checks_RL: torch.Tensor, alike: dict[int, tuple[int, ...]]) -> None:
+    """`checks_RL`: each rank's routing checksum per block (all-gathered); `alike`: per block, the ranks that routed
+    the same tokens. Raises on every rank alike (every rank holds the same gathered checksums)."""
+    for block, ranks in sorted(alike.items()):
+        values = checks_RL[list(ranks), block]
+        if (values != values[0]).any():
+            other = ranks[int((values != values[0]).nonzero()[0])]
+            raise RoutingDiverged(f"ranks {ranks[0]} and {other} routed the same tokens of block {block} to different "
+                                  "experts: their kernels, settings or inputs differ, and the text would be wrong")

@@ -45,10 +45,18 @@ class DistContext:
     # rank with cores of its own (`moe.workers.rank.keep_to_share`), where a sleeping core is one the host may give
     # away, and waking it took milliseconds (`_finish` says more).
     poll: bool = field(default=False, compare=False)
+    # Collectives and point-to-point moves this rank has entered (eager ones; a compiled step's are inside its
+    # graph): an error raised after the count moved within a call is no user error, since other ranks may be
+    # waiting in a collective this rank will not enter (`moe.workers.rank.serve`).
+    entered: list[int] = field(default_factory=lambda: [0], compare=False, repr=False)
 
     @property
     def distributed(self) -> bool:
         return self.backend != "none"
+
+    @property
+    def collectives(self) -> int:
+        return self.entered[0]
 
     def _on_device(self, *tensors: torch.Tensor) -> None:
         """NCCL moves GPU memory only: a CPU tensor here is a bug of ours, named at once instead of a crash or a
@@ -62,10 +70,12 @@ class DistContext:
     # Point-to-point moves of hidden states between block owners.
     def send(self, t: torch.Tensor, dst: int) -> None:
         self._on_device(t)
+        self.entered[0] += 1
         dist.send(t.contiguous(), dst)  # not polled: gloo's point-to-point work never says it is completed
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         t = torch.empty(shape, dtype=dtype, device=self.device)
+        self.entered[0] += 1
         dist.recv(t, src)
         return t
 
@@ -75,6 +85,7 @@ class DistContext:
         call in ten (a 2-rank all-gather after equal products on both ranks: mean 0.82 ms, p90 3.35 ms sleeping;
         0.25 and 0.27 polling). Between polls the core is yielded, so gloo's own threads on it run at once. The
         error or timeout of a failed operation is raised by `wait` as before."""
+        self.entered[0] += 1
         if self.poll and self.backend == "gloo":
             while not work.is_completed():
                 os.sched_yield()
@@ -177,6 +188,7 @@ class DistContext:
         if not self.distributed:
             return [obj]
         out: list = [None] * self.world_size
+        self.entered[0] += 1
         dist.all_gather_object(out, obj)
         return out
 
@@ -184,11 +196,13 @@ class DistContext:
         if not self.distributed:
             return obj
         box = [obj]
+        self.entered[0] += 1
         dist.broadcast_object_list(box, src=src)
         return box[0]
 
     def barrier(self) -> None:
         if self.distributed:
+            self.entered[0] += 1
             dist.barrier()
 
     def destroy(self) -> None:

@@ -171,8 +171,9 @@ class Heartbeat:
 def serve(engine: ShardedEngine, conn) -> None:
     """Run each call the parent sends on the engine, by name; rank 0 replies (every rank has the same answer).
 
-    A user error (bad input found here, a save that cannot write) is replied and the rank serves on: every rank
-    meets it at the same point, so they stay in step. Anything else ends the process (`worker_main`)."""
+    A user error (bad input found here, a save that cannot write) raised before the call's first collective is
+    replied and the rank serves on: every rank meets it at the same point, so they stay in step. Anything else,
+    a user error's type raised after a collective included, ends the process (`worker_main`)."""
     rank = engine.rank
     heartbeat = Heartbeat(conn)
     while True:
@@ -185,26 +186,50 @@ def serve(engine: ShardedEngine, conn) -> None:
         if op == "close":
             conn.send(("ok", req, None))
             return
-        if op == "fail":  # fault injection for tests: this rank raises, the others wait in a collective
-            if rank == args[0]:
-                raise RuntimeError(f"injected failure on rank {rank}")
-            engine.dist.barrier()
-            conn.send(("ok", req, None))
-            continue
         every_rank = op == "each"  # inspection: every rank's own answer, to check that they agree
         if every_rank:
             op, *args = args
-        if op not in ENGINE_CALLS:
+        call = FAULTS.get(op) or (getattr(engine, op) if op in ENGINE_CALLS else None)
+        if call is None:
             raise ValueError(f"unknown request {op!r}")
+        entered = engine.dist.collectives
         try:
-            result = getattr(engine, op)(*args, **_request_hooks(op, req, rank, conn, streams))
+            result = call(engine, *args) if op in FAULTS else call(*args, **_request_hooks(op, req, rank, conn,
+                                                                                          streams))
         except USER_ERRORS as e:
-            conn.send(("error", req, "user", type(e).__name__, str(e).splitlines()[0] if str(e) else "", ""))
+            line = str(e).splitlines()[0] if str(e) else ""
+            if engine.dist.collectives != entered:  # the others may wait in a collective this rank will not enter
+                raise RuntimeError(f"{type(e).__name__} after the call's first collective: {line}") from e
+            conn.send(("error", req, "user", type(e).__name__, line, ""))
             continue
         if getattr(result, "cancelled", False):
             conn.send(("cancelled", req))
         else:
             conn.send(("ok", req, result if rank == 0 or every_rank else None))
+
+
+def _fail(engine: ShardedEngine, failing: int, kind: str = "RuntimeError") -> None:
+    """Fault injection for tests. RuntimeError: rank `failing` raises while the others wait in a barrier.
+    ValueError: every rank enters a barrier, then rank `failing` raises a user error's type, which after a
+    collective ends the model."""
+    if kind == "RuntimeError" and engine.rank == failing:
+        raise RuntimeError(f"injected failure on rank {failing}")
+    engine.dist.barrier()
+    if kind == "ValueError" and engine.rank == failing:
+        raise ValueError(f"injected after a collective on rank {failing}")
+
+
+def _skew_routers(engine: ShardedEngine, skewed: int) -> None:
+    """Fault injection for tests: rank `skewed`'s routers favour its last expert, as a rank whose kernels or
+    inputs differ would route otherwise."""
+    if engine.rank == skewed:
+        for block in engine.model.layers.values():
+            gate = block.feed_forward.gate if block.feed_forward is not None else None
+            if gate is not None and gate.weight is not None:
+                gate.weight.data[-1] += 0.5 * gate.weight.data.abs().max()
+
+
+FAULTS = {"fail": _fail, "skew_routers": _skew_routers}
 
 
 def _request_hooks(op: str, req: int, rank: int, conn, streams: bool) -> dict:
