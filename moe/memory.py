@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import ctypes
-import resource
 from dataclasses import dataclass
 
 import torch
+
+from moe.host import rusage_peak_mib
 
 
 def _proc_kib(path: str, key: str) -> float | None:
@@ -25,7 +26,7 @@ def host_peak_mib() -> float:
     """Peak resident memory of this process in MiB."""
     # VmHWM belongs to this address space; ru_maxrss survives exec and would include a spawning parent's peak.
     kib = _proc_kib("/proc/self/status", "VmHWM")
-    return kib / 1024 if kib is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return kib / 1024 if kib is not None else rusage_peak_mib()
 
 
 def return_freed_memory() -> None:

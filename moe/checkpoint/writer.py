@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from models.config import ModelConfig
 from moe.checkpoint.files import HF_INDEX, CheckpointError
 from moe.checkpoint.formats import HF, MISTRAL, external_name, is_stacked_expert, needs_rope_permute, to_interleaved
+from moe.host import process_alive
 from moe.progress import Progress
 
 
@@ -140,7 +141,7 @@ def remove_stale_partials(out_dir: Path) -> list[Path]:
     removed = []
     for partial in out_dir.parent.glob(f".{out_dir.name}.partial-*"):
         pid = partial.name.removeprefix(f".{out_dir.name}.partial-").split("-")[0]
-        if partial.is_dir() and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+        if partial.is_dir() and pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(partial, ignore_errors=True)
             removed.append(partial)
     return removed

@@ -8,10 +8,12 @@ rendezvous store that every machine chose alike before any backend starts (mixed
 
 from __future__ import annotations
 
-import os
+import math
 from collections.abc import Mapping
 
 import torch
+
+from moe.host import usable_cores
 
 DEVICES = ("auto", "cuda", "cpu")
 
@@ -42,13 +44,14 @@ def ranks_device(device: str, ranks: int) -> str:
     if kind == "cpu" and ranks > 1:
         from moe.memory import available_mib
 
-        check_cpu_ranks(ranks, len(os.sched_getaffinity(0)), available_mib())
+        check_cpu_ranks(ranks, usable_cores(), available_mib())
     return kind
 
 
 def check_cpu_ranks(ranks: int, cores: int, available_mib: float) -> None:
     """Refuse, before a process starts, more CPU ranks than this machine can run."""
-    limit = min(RANKS_PER_CORE * cores, int(available_mib // RANK_BASELINE_MIB))
+    by_memory = int(available_mib // RANK_BASELINE_MIB) if math.isfinite(available_mib) else ranks  # unknown: inf
+    limit = min(RANKS_PER_CORE * cores, by_memory)
     if ranks > limit:
         raise ValueError(f"--gpus {ranks}: this machine runs at most {limit} CPU ranks ({cores} cores, "
                          f"{available_mib / 1024:.1f} GiB free, about {RANK_BASELINE_MIB} MiB per rank before any "

@@ -10,6 +10,8 @@ import importlib
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 
@@ -17,13 +19,20 @@ from moe.workers.spawn import Channel
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """Linux: get SIGKILL when the parent dies, so no rank outlives the process that started it."""
+    """No rank outlives the process that started it. Linux: the kernel sends SIGKILL when the parent dies.
+    Elsewhere a thread looks every second whether the parent is still this process's parent."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    except (OSError, AttributeError):
+        threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), name="orphan-watch", daemon=True).start()
     if os.getppid() != parent_pid:  # the parent died before the line above took effect
         os._exit(1)
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def resolve(target: str):

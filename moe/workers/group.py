@@ -8,13 +8,13 @@ raises an error naming the rank and the cause. Ranks also die with the parent (`
 from __future__ import annotations
 
 import atexit
-import os
 import signal
 import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
 
 from moe.errors import USER_ERRORS, RankFailure
+from moe.host import rank_processes_refusal, usable_cores
 from moe.parallel.distributed import check_port_free, free_port
 from moe.workers.spawn import RankProcess, start_rank
 
@@ -25,7 +25,7 @@ CANCEL_WAIT_S = 60.0  # a cancelled request not wound down by then means a rank 
 
 
 def cpu_threads_per_rank(world_size: int) -> int:
-    return max(1, len(os.sched_getaffinity(0)) // world_size)
+    return max(1, usable_cores() // world_size)
 
 
 def _exit_cause(rp: RankProcess) -> str:
@@ -57,6 +57,9 @@ class WorkerGroup:
     """N rank processes serving requests (`moe.workers.rank.serve`); `call` sends one to all of them."""
 
     def __init__(self, world_size: int, spec, master_port: int | None = None, threads: int | None = None) -> None:
+        refusal = rank_processes_refusal(world_size)
+        if refusal is not None:
+            raise ValueError(refusal)
         if master_port is not None:
             check_port_free(master_port)
         port = master_port or free_port()
@@ -211,6 +214,9 @@ def run_ranks(target: Callable, world_size: int, *args, master_port: int | None 
     For batch jobs (training) that need no requests from the parent; each rank prints its own traceback.
     `target` must be importable by name (a module-level function of a module, not of `__main__`).
     """
+    refusal = rank_processes_refusal(world_size)
+    if refusal is not None:
+        raise ValueError(refusal)
     if target.__module__ == "__main__":
         raise ValueError(f"{target.__qualname__} is defined in __main__; rank processes import their target by "
                          "name, so define it in a module")

@@ -23,6 +23,7 @@ from moe.engine.build import build_model
 from moe.engine.layouts import compilable_plan, engine_type
 from moe.engine.sharded import ShardedEngine
 from moe.errors import USER_ERRORS
+from moe.host import can_pin, core_ids, pin, usable_cores
 from moe.memory import peak_memory_mib
 from moe.parallel.distributed import DEFAULT_TIMEOUT_S, DistContext, init_process_group
 from moe.parallel.gather import StepRows
@@ -74,7 +75,7 @@ def load_report(model: torch.nn.Module, stats: dict, baseline_mib: float, device
 def cpu_share(rank: int, world_size: int) -> set[int]:
     """The cores a CPU rank keeps to: an equal slice, or one core round-robin when ranks outnumber cores.
     Pinned ranks stop migrating between cores, which makes gloo's collectives cheaper when they share."""
-    cores = sorted(os.sched_getaffinity(0))
+    cores = core_ids()
     if world_size <= len(cores):
         per = len(cores) // world_size
         return set(cores[rank * per:(rank + 1) * per])
@@ -86,10 +87,10 @@ def keep_to_share(rank: int, world_size: int, threads: int) -> bool:
     asked for more threads than the share has (they would spin-wait). True if the cores are this rank's alone,
     where waiting for a collective by polling costs no other rank anything (`DistContext.poll`)."""
     share = cpu_share(rank, world_size)
-    if world_size == 1 or threads > len(share):
+    if world_size == 1 or threads > len(share) or not can_pin():  # macOS, Windows: the system places the ranks
         return False
-    alone = world_size <= len(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, share)
+    alone = world_size <= usable_cores()
+    pin(share)
     return alone
 
 
