@@ -164,12 +164,32 @@ def test_a_fresh_torch_install_builds_once_and_says_so(tmp_path):
     assert "building" not in runs[1].stderr
 
 
-def test_without_the_kernel_auto_falls_back_to_onednn_with_the_same_tokens(monkeypatch):
-    from models import weights
+NO_COMPILER = """
+import sys
+from moe import MoEModel
+model = MoEModel.from_pretrained(sys.argv[1])
+print(type(model.engine.model.output.kernel).__name__)
+print(model.info.kernels)
+print(model.generate([[1, 45, 312]], max_new_tokens=16))
+"""
+
+
+@pytest.mark.slow
+def test_without_a_compiler_auto_falls_back_naming_the_build_error(tmp_path):
+    """For real, in a process of its own: a compiler that does not exist and an empty extension cache (a new
+    virtual environment on a machine without one). The build's error is named, oneDNN runs, the tokens are those
+    of the native kernels."""
     from moe import MoEModel
 
     want = MoEModel.from_pretrained(TRAINED).generate([[1, 45, 312]], max_new_tokens=16)
-    monkeypatch.setattr(native, "available", lambda: False)  # as where no C++ compiler is found
-    fallback = MoEModel.from_pretrained(TRAINED)
-    assert fallback.info.cpu_kernels == "auto" and isinstance(fallback.engine.model.output.kernel, weights.OneDNN)
-    assert fallback.generate([[1, 45, 312]], max_new_tokens=16) == want
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": str(tmp_path / "no-such-c++")}
+    run = subprocess.run([sys.executable, "-c", NO_COMPILER, str(TRAINED)], capture_output=True, text=True, env=env,
+                         cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    kernel, kernels, tokens = run.stdout.splitlines()
+    assert kernel == "OneDNN" and tokens == str([want[0]])
+    why = kernels.split(";")[0]
+    assert why.startswith("cpu kernels: no native kernels (not built: RuntimeError: "), kernels
+    assert "no-such-c++" in why and "Error building extension" not in why, why  # the shell's line, not ninja's
+    assert "float32 decode oneDNN" in kernels
+    assert kernels in run.stderr.splitlines()  # said on stderr too, once

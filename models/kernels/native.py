@@ -150,8 +150,10 @@ def first_error(exc: Exception) -> str:
     """The line of a failed build that says what went wrong: the compiler's first error (ninja's log holds every
     command and its output), else the exception's last line."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    errors = [line for line in lines if "error" in line.lower() and not line.startswith(("FAILED:", "ninja:"))]
-    found = errors[0] if errors else lines[-1] if lines else ""
+    said = [line for line in lines if not line.startswith(("Error building extension", "FAILED:", "ninja:", "["))
+            and not (" -c " in line and " -o " in line)]  # ninja's log echoes each command before its output
+    errors = [line for line in said if "error" in line.lower() or "not found" in line.lower()]
+    found = (errors or said or lines[-1:] or [""])[0]
     return f"{type(exc).__name__}: {found}"[:300]
 
 
