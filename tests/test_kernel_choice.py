@@ -1,0 +1,67 @@
+"""The one decision of which product and attention run (`models.kernels.choice`), as a table of cases written out
+by hand: CPUs with and without the native kernels or bf16 instructions, every precision, GPUs (whose paths never
+ran here: these cases fix what a GPU runs without one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.kernels import choice as kc
+from models.kernels.choice import KernelChoice, choose
+from models.mixture import grouped_mm_runs
+
+
+def cpu(dtype: str = "float32", native: bool = True, bf16: bool = True, asked: str = "auto") -> KernelChoice:
+    onednn = dtype == "float32" or (dtype == "bfloat16" and bf16)
+    why = "" if native else "not built: no compiler"
+    return KernelChoice("cpu", dtype, asked, "avx512" if native else "", native, bf16, onednn, why)
+
+
+GPU = KernelChoice("cuda", "bfloat16", "auto", "", False, False, False, "cuda: torch's kernels")
+GPU_INT8 = KernelChoice("cuda", "int8", "auto", "", False, False, False, "cuda: torch's kernels")
+
+CASES = [  # (choice, rows, the product)
+    (cpu(), 1, kc.NATIVE_DECODE), (cpu(), 8, kc.NATIVE_DECODE), (cpu(), 9, kc.NATIVE_PROMPT),
+    (cpu("bfloat16"), 64, kc.ONEDNN),  # bf16 instructions: oneDNN's bf16 products beat the prompt kernel
+    (cpu("bfloat16", bf16=False), 64, kc.NATIVE_PROMPT),
+    (cpu("int8"), 1, kc.NATIVE_DECODE), (cpu("int8"), 64, kc.NATIVE_PROMPT),
+    (cpu(native=False), 1, kc.ONEDNN), (cpu("bfloat16", native=False, bf16=False), 64, kc.WIDENED),
+    (cpu("int8", native=False), 4, kc.INT8_KERNEL), (cpu("int8", native=False), 5, kc.INT8_DEQUANTIZED),
+    (cpu("int8", native=False, bf16=False), 5, kc.WIDENED),
+    (cpu(native=False, asked="torch"), 1, kc.TORCH), (cpu("bfloat16", False, False, "torch"), 64, kc.TORCH),
+    (GPU, 1, kc.TORCH), (GPU, 512, kc.TORCH),
+    (GPU_INT8, 1, kc.INT8_KERNEL), (GPU_INT8, 512, kc.INT8_KERNEL),  # never a bf16 copy of a weight per call
+]
+
+
+@pytest.mark.parametrize(("choice", "rows", "product"), CASES)
+def test_each_case_runs_its_product(choice, rows, product):
+    assert choice.product(rows) == product
+
+
+def test_attention_by_case():
+    assert cpu().attention(True, False, 16) == kc.NATIVE_ATTENTION
+    assert cpu().attention(False, False, 16) == kc.SDPA  # a padded batch or a continued prompt
+    assert cpu("bfloat16", bf16=False).attention(False, False, 16) == kc.SDPA_FP32
+    assert cpu(native=False).attention(True, False, 16) == kc.SDPA
+    assert GPU.attention(True, False, 128) == kc.SDPA
+
+
+def test_auto_takes_the_native_kernels_only_where_they_were_measured(monkeypatch):
+    from models.kernels import native
+
+    monkeypatch.setattr(native, "available", lambda: True)
+    for flavour, runs in (("avx512vnni", True), ("avx512", True), ("avx2", True), ("generic", False)):
+        monkeypatch.setattr(native, "flavour", lambda f=flavour: f)
+        got = choose("auto", "cpu", torch.float32)
+        assert got.native == runs, flavour
+        assert runs or "a generic build" in got.why_not_native
+    assert not choose("torch", "cpu", torch.float32).native
+    assert choose("auto", "cpu", torch.float16).why_not_native == "float16 weights"
+    with pytest.raises(ValueError, match="cpu_kernels='fast': use one of auto, onednn, torch"):
+        choose("fast", "cpu", torch.float32)
+
+
+def test_grouped_experts_on_a_gpu_only_where_torch_has_the_grouped_product():
+    assert not grouped_mm_runs(torch.zeros(2, 4, 4, dtype=torch.bfloat16))  # on a CPU: the per-expert loop
