@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from moe import MoEModel
-from moe.api import ModelInfo
 from moe.errors import RankFailure
+from moe.info import ModelInfo
 from moe.parallel.agreement import RanksDisagree, check_reports_agree
 from moe.parallel.distributed import single_process
 from tests.checkpoints import ROOT, SHIPPED

@@ -66,7 +66,7 @@ def load_shard(spec: ShardSpec, dist: DistContext) -> tuple[ShardedEngine, dict]
 def load_report(model: torch.nn.Module, stats: dict, baseline_mib: float, device: torch.device,
                 backend: str) -> dict:
     """What a rank says once it holds its share; the same keys whether it is a rank process, a torchrun
-    process or the only process (`moe.api.ModelInfo.from_reports`)."""
+    process or the only process (`moe.info.ModelInfo.from_reports`)."""
     return {"pid": os.getpid(), "params": sorted(name for name, _ in model.named_parameters()),  # not state_dict():
             **stats, "baseline_mib": baseline_mib, "loaded_peak_mib": peak_memory_mib(device),  # it unpacks weights
             "backend": backend}
