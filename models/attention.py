@@ -22,6 +22,7 @@ from torch import nn
 from models import weights
 from models.basic import Linear
 from models.config import ModelConfig
+from models.rope import frequencies_for_length, inverse_frequencies
 from models.kernels import choice as kc
 from models.kernels import native
 from models.kernels.choice import KernelChoice
@@ -40,30 +41,48 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rotary_tables(positions_BS: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin tables [B, 1, S, Dh], computed in fp32 and cast like the reference."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions_BS.device, dtype=torch.float) / head_dim))
+def rotary_tables(positions_BS: torch.Tensor, inv_freq: torch.Tensor, attention: float, dtype: torch.dtype):
+    """cos/sin tables [B, 1, S, Dh], computed in fp32 (scaled by `attention`, yarn's and longrope's factor) and
+    cast like the reference."""
     freqs = positions_BS[..., None].float() * inv_freq  # [B, S, Dh/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, Dh]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if attention != 1.0:
+        cos, sin = cos * attention, sin * attention
+    return cos.to(dtype), sin.to(dtype)
+
+
+TABLE_STEP = 4096  # positions the table grows by: never every position of a 1M-token context at load
 
 
 class RotaryTable:
-    """cos/sin of every position the model takes, [max_seq_len, Dh] each, computed once by `rotary_tables` and
-    indexed per call (the same bits: every element goes through the same vectorized kernels either way). A
-    compiled decode step then reads two rows where it computed a power, a cosine and a sine for every element of
-    q and k in every block (60 us of a 2.5 ms int8 step). Built at first use on the model's device and dtype."""
+    """cos/sin of the positions the model has met, [n, Dh] each, computed by `rotary_tables` and indexed per call
+    (the same bits: every element goes through the same vectorized kernels either way). A compiled decode step then
+    reads two rows where it computed a power, a cosine and a sine for every element of q and k in every block (60
+    us of a 2.5 ms int8 step). Built at first use on the model's device and dtype, and grown in steps of
+    `TABLE_STEP` positions as calls need them. Scalings whose angles depend on a call's length (dynamic NTK,
+    longrope) are computed per call instead (`models.rope`)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         self.cfg = cfg
-        self.cos: torch.Tensor | None = None  # [max_seq_len, Dh]
+        self.original = cfg.max_position_embeddings or cfg.max_seq_len
+        self.cos: torch.Tensor | None = None  # [n, Dh]
         self.sin: torch.Tensor | None = None
 
-    def __call__(self, positions_BS: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [B, 1, S, Dh] of these positions."""
-        if self.cos is None or self.cos.device != positions_BS.device or self.cos.dtype != dtype:
-            every = torch.arange(self.cfg.max_seq_len, device=positions_BS.device)[None]
-            cos, sin = rotary_tables(every, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+    def __call__(self, positions_BS: torch.Tensor, dtype: torch.dtype,
+                 length: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B, 1, S, Dh] of these positions, in a call whose longest sequence has `length` positions (an
+        int, or a tensor on the device in a static-shape decode step; every position is below it)."""
+        cfg, scaling, device = self.cfg, self.cfg.rope_scaling, positions_BS.device
+        if scaling.by_length:
+            inv = frequencies_for_length(cfg.rope_theta, cfg.head_dim, scaling, self.original, length, device)
+            attention = inverse_frequencies(cfg.rope_theta, cfg.head_dim, scaling, cfg.max_seq_len)[1]
+            return rotary_tables(positions_BS, inv, attention, dtype)
+        need = length if isinstance(length, int) else cfg.max_seq_len
+        if self.cos is None or self.cos.device != device or self.cos.dtype != dtype or self.cos.shape[0] < need:
+            n = min(cfg.max_seq_len, -(-max(need, 1) // TABLE_STEP) * TABLE_STEP)
+            inv, attention = inverse_frequencies(cfg.rope_theta, cfg.head_dim, scaling, cfg.max_seq_len, device)
+            cos, sin = rotary_tables(torch.arange(n, device=device)[None], inv, attention, dtype)
             self.cos, self.sin = cos[0, 0], sin[0, 0]
         return self.cos[positions_BS][:, None], self.sin[positions_BS][:, None]
 
@@ -116,7 +135,7 @@ class AttentionContext:
         padded = padding is not None
         pad = padding.device_B if padded else None
         positions = (q_slot[None, :] - pad[:, None]).clamp(min=0) if padded else q_slot[None, :].expand(batch, -1)
-        cos, sin = rotary(positions, dtype)
+        cos, sin = rotary(positions, dtype, start + seq)
         window_cuts = cfg.sliding_window is not None and start + seq > cfg.sliding_window
         if not padded and not window_cuts and (start == 0 or seq == 1):
             # No explicit mask: SDPA's causal kernel skips the masked half of a prompt; one new token sees all.
@@ -147,7 +166,7 @@ class AttentionContext:
         if pad_B is not None:
             positions = (positions - pad_B[:, None]).clamp(min=0)
             mask = mask & (k_slot[None, :] >= pad_B[:, None])  # a decode query is never a padding slot
-        cos, sin = rotary(positions, dtype)
+        cos, sin = rotary(positions, dtype, slot + 1 if cfg.rope_scaling.by_length else length)
         return cls(start=-1, cos=cos, sin=sin, mask=mask[:, None, None, :], slot=slot)
 
 

@@ -9,6 +9,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from models.rope import RopeError, RopeScaling, context_length, parse_rope
+
 
 class ConfigError(ValueError):
     """A configuration field is missing or inconsistent; the message names the field."""
@@ -32,6 +34,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     bos_id: int | None = 1
     eos_id: int | None = 2
+    rope_scaling: RopeScaling = RopeScaling()  # models.rope: how positions become angles past the default
+    max_position_embeddings: int | None = None  # the config's own figure where it differs from max_seq_len (dynamic)
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "vocab_size",
@@ -70,6 +74,11 @@ class ModelConfig:
             return cfg[key]
 
         dim, n_heads = need("hidden_size"), need("num_attention_heads")
+        try:
+            theta, scaling = parse_rope(cfg)
+        except RopeError as e:
+            raise ConfigError(str(e)) from None
+        max_position = cfg.get("max_position_embeddings", 32768)
         return cls(
             dim=dim,
             n_layers=need("num_hidden_layers"),
@@ -81,9 +90,11 @@ class ModelConfig:
             n_experts=cfg.get("num_local_experts", 1),
             top_k=cfg.get("num_experts_per_tok", 1),
             norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=_hf_rope_theta(cfg),
+            rope_theta=theta,
+            rope_scaling=scaling,
             sliding_window=cfg.get("sliding_window"),
-            max_seq_len=cfg.get("max_position_embeddings", 32768),
+            max_seq_len=context_length(max_position, scaling),
+            max_position_embeddings=max_position if scaling.kind == "dynamic" else None,
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_id=_first(cfg.get("bos_token_id", 1)),
             eos_id=_first(cfg.get("eos_token_id", 2)),
@@ -103,9 +114,9 @@ class ModelConfig:
             "num_experts_per_tok": self.top_k,
             "rms_norm_eps": self.norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_parameters": self.rope_scaling.to_hf(self.rope_theta),
             "sliding_window": self.sliding_window,
-            "max_position_embeddings": self.max_seq_len,
+            "max_position_embeddings": self.max_position_embeddings or self.max_seq_len,
             "vocab_size": self.vocab_size,
             "tie_word_embeddings": self.tie_embeddings,
             "hidden_act": "silu",
@@ -143,6 +154,9 @@ class ModelConfig:
         )
 
     def to_mistral(self) -> dict[str, Any]:
+        if self.rope_scaling.kind != "default":
+            raise ConfigError(f"rope scaling {self.rope_scaling.kind!r} has no params.json field: save it as a "
+                              "Hugging Face checkpoint")
         params: dict[str, Any] = {
             "dim": self.dim,
             "n_layers": self.n_layers,
@@ -162,14 +176,6 @@ class ModelConfig:
         if self.is_moe:
             params["moe"] = {"num_experts": self.n_experts, "num_experts_per_tok": self.top_k}
         return params
-
-
-def _hf_rope_theta(cfg: dict[str, Any]) -> float:
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ConfigError(f"config.json asks for rope_type={rope_type!r}; only default RoPE is supported")
-    return float(rope.get("rope_theta", cfg.get("rope_theta", 1e6)))
 
 
 def _first(value: Any) -> Any:

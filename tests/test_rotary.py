@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.attention import RotaryTable, rotary_tables
+from models.attention import TABLE_STEP, RotaryTable, rotary_tables
+from models.rope import base_frequencies
 from tests.checkpoints import tiny_config
 
 
@@ -19,7 +20,8 @@ def test_table_rows_are_the_computed_values(dtype, head_dim):
     padded = (torch.arange(600)[None] - torch.tensor([[0], [5], [599]])).clamp(min=0)  # 3 rows, left padding
     steps = torch.tensor([[0], [1], [4095], [2047]])
     for positions in (prompt, padded, steps):
-        got, want = table(positions, dtype), rotary_tables(positions, head_dim, cfg.rope_theta, dtype)
+        want = rotary_tables(positions, base_frequencies(cfg.rope_theta, head_dim), 1.0, dtype)
+        got = table(positions, dtype, int(positions.max()) + 1)
         assert got[0].shape == want[0].shape == (positions.shape[0], 1, positions.shape[1], head_dim)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
@@ -27,6 +29,15 @@ def test_table_rows_are_the_computed_values(dtype, head_dim):
 def test_table_follows_the_dtype_asked_for():
     table = RotaryTable(tiny_config())
     positions = torch.tensor([[3, 4]])
-    assert table(positions, torch.float32)[0].dtype == torch.float32
-    cos, sin = table(positions, torch.bfloat16)
+    assert table(positions, torch.float32, 5)[0].dtype == torch.float32
+    cos, sin = table(positions, torch.bfloat16, 5)
     assert cos.dtype == sin.dtype == torch.bfloat16 and table.cos.shape == (256, 16)
+
+
+def test_a_long_context_builds_only_the_positions_met():
+    """A 1M-token context: the table holds the positions calls have needed, grown a step at a time."""
+    table = RotaryTable(tiny_config(max_seq_len=2**20))
+    table(torch.arange(10)[None], torch.float32, 10)
+    assert table.cos.shape[0] == TABLE_STEP
+    table(torch.tensor([[TABLE_STEP + 3]]), torch.float32, TABLE_STEP + 4)
+    assert table.cos.shape[0] == 2 * TABLE_STEP
