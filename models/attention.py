@@ -22,10 +22,10 @@ from torch import nn
 from models import weights
 from models.basic import Linear
 from models.config import ModelConfig
-from models.rope import frequencies_for_length, inverse_frequencies
 from models.kernels import choice as kc
 from models.kernels import native
 from models.kernels.choice import KernelChoice
+from models.rope import frequencies_for_length, inverse_frequencies
 
 
 class RMSNorm(nn.Module):
