@@ -28,6 +28,24 @@ from models.kernels.choice import KernelChoice
 from models.rope import frequencies_for_length, inverse_frequencies
 
 
+class LayerNorm(nn.Module):
+    """LayerNorm with a bias (PhiMoE's norms), normalised in fp32 as torch's own does in reduced precision."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
+    """The family's norm (`ModelConfig.norm`)."""
+    return LayerNorm(dim, cfg.norm_eps) if cfg.norm == "layer" else RMSNorm(dim, cfg.norm_eps)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -199,11 +217,21 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = Linear(cfg.dim, cfg.n_heads * cfg.head_dim)
-        self.wk = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim)
-        self.wv = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim)
-        self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.dim)
+        self.wq = Linear(cfg.dim, cfg.n_heads * cfg.head_dim, cfg.qkv_bias)
+        self.wk = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, cfg.qkv_bias)
+        self.wv = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, cfg.qkv_bias)
+        self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.dim, cfg.o_bias)
+        # Qwen3-MoE normalises each head of q and k, OLMoE the whole projections (before RoPE either way).
+        self.qk_norm, self.clip = cfg.qk_norm, cfg.clip_qkv
+        if cfg.qk_norm:
+            width = cfg.head_dim if cfg.qk_norm == "head" else None
+            self.q_norm = RMSNorm(width or cfg.n_heads * cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(width or cfg.n_kv_heads * cfg.head_dim, cfg.norm_eps)
+        # A softmax scale other than 1/sqrt(Dh) (GraniteMoE's attention_multiplier) scales q instead, so every
+        # attention path (ours and SDPA) keeps its default scale.
+        self.q_scale = cfg.attention_scale * cfg.head_dim ** 0.5 if cfg.attention_scale is not None else None
         self.wqkv: weights.LinearWeight | None = None  # inference: q, k and v in one product
+        self.qkv_bias: torch.Tensor | None = None  # and their biases, concatenated
         self.choice: KernelChoice | None = None  # inference: which attention runs (`KernelChoice.attention`)
 
     def prepare_weights(self, choice: KernelChoice) -> None:
@@ -212,6 +240,8 @@ class Attention(nn.Module):
             self.choice = choice
             linears = (self.wq, self.wk, self.wv)
             self.wqkv, parts = weights.fused([lin.weight for lin in linears], choice)
+            if self.wq.bias is not None:
+                self.qkv_bias = torch.cat([lin.bias.detach() for lin in linears])
             for lin, part in zip(linears, parts, strict=True):
                 lin.kernel, lin.weight = part, weights.shape_only(lin.weight)
 
@@ -219,15 +249,27 @@ class Attention(nn.Module):
         if self.wqkv is None:
             return self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        return self.wqkv(x_BSD).split((q_size, kv_size, kv_size), dim=-1)
+        qkv = self.wqkv(x_BSD)
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        return qkv.split((q_size, kv_size, kv_size), dim=-1)
 
     def forward(self, x_BSD: torch.Tensor, ctx: AttentionContext, cache: KVCache | None) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         q, k, v = self.project_qkv(x_BSD)
-        q = q.view(B, S, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, S, Dh]
-        k = k.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, G, S, Dh]
+        if self.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        q = q.view(B, S, self.n_heads, self.head_dim)
+        k = k.view(B, S, self.n_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, S, Dh], [B, G, S, Dh]
         v = v.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(torch.cat((q, k), dim=1), ctx.cos, ctx.sin).split((self.n_heads, self.n_kv_heads), dim=1)
+        if self.q_scale is not None:
+            q = q * self.q_scale
         if cache is not None and ctx.slot is not None:
             k, v = cache.write_at(ctx.slot, k, v)  # [B, G, L, Dh], ctx.mask hides the slots past this one
         elif cache is not None:

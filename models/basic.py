@@ -16,15 +16,15 @@ from models.kernels.choice import KernelChoice
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.kernel: weights.LinearWeight | None = None  # the weight in its inference format (models.weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
-            return self.kernel(x)
-        return F.linear(x, self.weight)
+        out = self.kernel(x) if self.kernel is not None else F.linear(x, self.weight)
+        return out + self.bias if self.bias is not None else out
 
     def prepare_weights(self, choice: KernelChoice) -> None:
         """For inference: keep the weight only in its fastest format; `weight` keeps just its shape."""
@@ -34,7 +34,7 @@ class Linear(nn.Module):
 
     def dense(self, name: str) -> torch.Tensor:
         """Parameter `name` as a plain tensor (converted back if converted)."""
-        return self.kernel.dense() if self.kernel is not None else getattr(self, name).detach()
+        return self.kernel.dense() if self.kernel is not None and name == "weight" else getattr(self, name).detach()
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)

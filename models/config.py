@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from models import families
 from models.rope import RopeError, RopeScaling, context_length, parse_rope
 
 
@@ -36,6 +37,22 @@ class ModelConfig:
     eos_id: int | None = 2
     rope_scaling: RopeScaling = RopeScaling()  # models.rope: how positions become angles past the default
     max_position_embeddings: int | None = None  # the config's own figure where it differs from max_seq_len (dynamic)
+    # What a family changes against Mixtral (models.families reads them from its config.json)
+    family: str = "mixtral"
+    router: str = "mixtral"  # "mixtral": softmax of the top-k logits; "softmax": top-k of every expert's probability
+    # (renormalised if norm_topk_prob); "sparsemixer": PhiMoE's top-2
+    norm_topk_prob: bool = True
+    router_jitter: float = 0.0  # sparsemixer's threshold
+    qk_norm: str = ""  # "head": RMSNorm over each head of q and k; "projection": over the whole q and k projections
+    qkv_bias: bool = False
+    o_bias: bool = False
+    head_bias: bool = False
+    clip_qkv: float | None = None  # q, k and v clamped to +-clip_qkv after their projection (and norm)
+    norm: str = "rms"  # "rms" or "layer" (LayerNorm with a bias)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0  # each branch's output, before it is added to the residual stream
+    attention_scale: float | None = None  # the softmax's scale (None: 1/sqrt(head_dim))
+    logits_scaling: float = 1.0  # logits divided by it
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "vocab_size",
@@ -76,8 +93,10 @@ class ModelConfig:
         dim, n_heads = need("hidden_size"), need("num_attention_heads")
         try:
             theta, scaling = parse_rope(cfg)
-        except RopeError as e:
+            family = families.knobs(cfg)
+        except (RopeError, families.FamilyError) as e:
             raise ConfigError(str(e)) from None
+        n_experts, top_k = families.experts_of(cfg)
         max_position = cfg.get("max_position_embeddings", 32768)
         return cls(
             dim=dim,
@@ -85,19 +104,20 @@ class ModelConfig:
             n_heads=n_heads,
             n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
             head_dim=cfg.get("head_dim") or dim // n_heads,
-            hidden_dim=need("intermediate_size"),
+            hidden_dim=family.pop("hidden_dim", None) or need("intermediate_size"),
             vocab_size=need("vocab_size"),
-            n_experts=cfg.get("num_local_experts", 1),
-            top_k=cfg.get("num_experts_per_tok", 1),
+            n_experts=n_experts,
+            top_k=top_k,
             norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=theta,
             rope_scaling=scaling,
-            sliding_window=cfg.get("sliding_window"),
+            sliding_window=families.sliding_window(cfg),
             max_seq_len=context_length(max_position, scaling),
             max_position_embeddings=max_position if scaling.kind == "dynamic" else None,
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_id=_first(cfg.get("bos_token_id", 1)),
             eos_id=_first(cfg.get("eos_token_id", 2)),
+            **family,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -123,7 +143,7 @@ class ModelConfig:
             "bos_token_id": self.bos_id,
             "eos_token_id": self.eos_id,
         }
-        return cfg
+        return cfg | families.hf_fields(self)
 
     # ---- Mistral params.json ----------------------------------------------------------------------
 

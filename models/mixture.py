@@ -27,9 +27,15 @@ from models.kernels.choice import KernelChoice
 
 
 class Router(nn.Module):
-    def __init__(self, dim: int, n_experts: int, top_k: int) -> None:
+    """Gate logits -> (weights [T, K] fp32, expert ids [T, K]). Kinds (`ModelConfig.router`): "mixtral", the
+    softmax of the top-k logits; "softmax", the top-k of every expert's probability, renormalised only where
+    `renormalise` (Qwen2/3-MoE, OLMoE); "sparsemixer", PhiMoE's top-2 (`sparsemixer`)."""
+
+    def __init__(self, dim: int, n_experts: int, top_k: int, kind: str = "mixtral", renormalise: bool = True,
+                 jitter: float = 0.0) -> None:
         super().__init__()
         self.n_experts, self.top_k = n_experts, top_k
+        self.kind, self.renormalise, self.jitter = kind, renormalise, jitter
         # A dense checkpoint (E=1) has no gate: every token goes to expert 0 with weight 1.
         self.weight = nn.Parameter(torch.empty(n_experts, dim)) if n_experts > 1 else None
         # Debug mode: copy j of token t goes to expert (t*K + j) % E, weight 1/K; exact loads for tests.
@@ -57,8 +63,29 @@ class Router(nn.Module):
                 self.entropy_tokens += T
         if self.training:
             self.last_logits_TE = logits_TE
+        if self.kind == "sparsemixer":
+            return sparsemixer(logits_TE, self.jitter)
+        if self.kind == "softmax":
+            top_TK, ids_TK = torch.topk(torch.softmax(logits_TE, dim=-1), self.top_k, dim=-1)
+            if self.renormalise:
+                top_TK = top_TK / top_TK.sum(dim=-1, keepdim=True)
+            return top_TK.to(x_TD.dtype).float(), ids_TK  # rounded to the activations' precision, as transformers
         top_logits_TK, ids_TK = torch.topk(logits_TE, self.top_k, dim=-1)
         return torch.softmax(top_logits_TK, dim=-1), ids_TK
+
+
+def sparsemixer(scores_TE: torch.Tensor, jitter: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PhiMoE's top-2 at inference: the best expert, weighted by the softmax over the experts whose score lies within
+    a relative 2*jitter of the best; then the same around the second best, with the first left out. The two weights
+    do not sum to 1."""
+    weights, ids, masked = [], [], scores_TE
+    for _ in range(2):
+        best, at = masked.max(dim=-1, keepdim=True)
+        far = (best - scores_TE) / scores_TE.abs().clamp(min=best) > 2 * jitter
+        weights.append(torch.softmax(masked.masked_fill(far, float("-inf")), dim=-1).gather(-1, at))
+        ids.append(at)
+        masked = masked.scatter(-1, at, float("-inf"))
+    return torch.cat(weights, dim=-1), torch.cat(ids, dim=-1)
 
 
 class GroupedExperts(nn.Module):
@@ -310,7 +337,7 @@ class MoEFeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig, expert_ids: list[int] | None = None) -> None:
         super().__init__()
         self.n_experts = cfg.n_experts
-        self.gate = Router(cfg.dim, cfg.n_experts, cfg.top_k)
+        self.gate = Router(cfg.dim, cfg.n_experts, cfg.top_k, cfg.router, cfg.norm_topk_prob, cfg.router_jitter)
         self.experts = GroupedExperts(cfg.dim, cfg.hidden_dim, expert_ids or list(range(cfg.n_experts)))
         self.dispatcher = LocalDispatcher(cfg.n_experts)
         # Token copies routed to each expert: row 0 prefill, row 1 decode. Counted on device, read on demand.

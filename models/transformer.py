@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.attention import Attention, AttentionContext, KVCache, Padding, RMSNorm, RotaryTable
+from models.attention import Attention, AttentionContext, KVCache, Padding, RotaryTable, make_norm
 from models.basic import Embedding, Linear
 from models.config import ModelConfig
 from models.mixture import MoEFeedForward
@@ -18,16 +18,22 @@ from models.mixture import MoEFeedForward
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention_norm = make_norm(cfg, cfg.dim)
         self.attention = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = make_norm(cfg, cfg.dim)
         self.feed_forward = MoEFeedForward(cfg)
+        self.residual = cfg.residual_multiplier  # GraniteMoE scales each branch before adding it
 
     def attend(self, h_BSD: torch.Tensor, ctx: AttentionContext, cache: KVCache | None) -> torch.Tensor:
-        return h_BSD + self.attention(self.attention_norm(h_BSD), ctx, cache)
+        out = self.attention(self.attention_norm(h_BSD), ctx, cache)
+        return h_BSD + (out * self.residual if self.residual != 1.0 else out)
 
     def feed(self, h_BSD: torch.Tensor, decoding: bool, rows: torch.Tensor | None = None) -> torch.Tensor:
-        return add_feed_forward(h_BSD, self.ffn_norm(h_BSD), rows, lambda x: self.feed_forward(x, decoding=decoding))
+        def ffn(x: torch.Tensor) -> torch.Tensor:
+            out = self.feed_forward(x, decoding=decoding)
+            return out * self.residual if self.residual != 1.0 else out
+
+        return add_feed_forward(h_BSD, self.ffn_norm(h_BSD), rows, ffn)
 
     def forward(self, h_BSD: torch.Tensor, ctx: AttentionContext, cache: KVCache | None,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -51,9 +57,19 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = Linear(cfg.dim, cfg.vocab_size)
+        self.norm = make_norm(cfg, cfg.dim)
+        self.output = Linear(cfg.dim, cfg.vocab_size, cfg.head_bias)
         self.rotary = RotaryTable(cfg)
+
+    def embed(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings (GraniteMoE scales them by `embedding_multiplier`)."""
+        h = self.tok_embeddings(tokens_BS)
+        return h * self.cfg.embedding_multiplier if self.cfg.embedding_multiplier != 1.0 else h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of the last hidden states (GraniteMoE divides them by `logits_scaling`)."""
+        logits = self.output(self.norm(h))
+        return logits / self.cfg.logits_scaling if self.cfg.logits_scaling != 1.0 else logits
 
     @property
     def held_blocks(self) -> list[str]:
@@ -82,14 +98,14 @@ class Transformer(nn.Module):
         h = self.hidden_states(tokens_BS, start, caches, padding)
         if last_only:
             h = h[:, -1:]
-        return self.output(self.norm(h))
+        return self.head(h)
 
     def hidden_states(self, tokens_BS: torch.Tensor, start: int = 0, caches: dict[str, KVCache] | None = None,
                       padding: Padding | None = None) -> torch.Tensor:
         """The last block's output [B, S, D]: `forward` without the head (a rank that runs the blocks for their
         exchanges and needs no logits)."""
         B, S = tokens_BS.shape
-        h = self.tok_embeddings(tokens_BS)
+        h = self.embed(tokens_BS)
         ctx = AttentionContext.build(self.cfg, self.rotary, B, S, start, padding, h.device, h.dtype)
         rows = real_token_rows(padding, S, start, h.device)
         for name, block in self.layers.items():
@@ -101,14 +117,14 @@ class Transformer(nn.Module):
         """Logits [B, V] of one new token per sequence at cache slot `slot` ([1] long, on the device), with every
         shape the same at every step (`AttentionContext.at_slot`): what `torch.compile` and CUDA graphs take.
         `pad_B`: each sequence's left padding on the device, or None."""
-        return self.output(self.norm(self.decode_hidden(tokens_B1, slot, caches, pad_B)))[:, -1]
+        return self.head(self.decode_hidden(tokens_B1, slot, caches, pad_B))[:, -1]
 
     def decode_hidden(self, tokens_B1: torch.Tensor, slot: torch.Tensor, caches: dict[str, KVCache],
                       pad_B: torch.Tensor | None) -> torch.Tensor:
         """`decode_step` without the head: the output [B, 1, D] of the blocks that have a cache in `caches`, in
         order (every block, or a pipeline rank's range of them). A model without the embedding (a later pipeline
         rank) takes the previous range's output [B, 1, D] instead of token ids."""
-        h = self.tok_embeddings(tokens_B1) if self.tok_embeddings is not None else tokens_B1
+        h = self.embed(tokens_B1) if self.tok_embeddings is not None else tokens_B1
         length = next(iter(caches.values())).k.shape[2]
         ctx = AttentionContext.at_slot(self.cfg, self.rotary, tokens_B1.shape[0], slot, length, pad_B, h.dtype)
         for name, cache in caches.items():

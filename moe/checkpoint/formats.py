@@ -57,6 +57,43 @@ NAME_MAPS: dict[tuple[str, bool], dict[str, str]] = {
         "layers.{i}.feed_forward.experts.w3": "layers.{i}.feed_forward.w3.weight",
     },
 }
+# What families add or rename against the maps above (their Hub names, as transformers' conversion_mapping.py
+# lists them): Qwen3-MoE and OLMoE name their router and experts as Qwen2-MoE does; biases and norms per knob.
+_QWEN_FFN = {
+    "layers.{i}.feed_forward.gate.weight": "model.layers.{i}.mlp.gate.weight",
+    "layers.{i}.feed_forward.experts.w1": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+    "layers.{i}.feed_forward.experts.w2": "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
+    "layers.{i}.feed_forward.experts.w3": "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+}
+_QK_NORMS = {"layers.{i}.attention.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+             "layers.{i}.attention.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight"}
+_QKV_BIAS = {f"layers.{{i}}.attention.w{x}.bias": f"model.layers.{{i}}.self_attn.{x}_proj.bias" for x in "qkv"}
+_O_BIAS = {"layers.{i}.attention.wo.bias": "model.layers.{i}.self_attn.o_proj.bias"}
+_NORM_BIAS = {"layers.{i}.attention_norm.bias": "model.layers.{i}.input_layernorm.bias",
+              "layers.{i}.ffn_norm.bias": "model.layers.{i}.post_attention_layernorm.bias",
+              "norm.bias": "model.norm.bias"}
+
+
+def name_map(fmt: str, cfg: ModelConfig) -> dict[str, str]:
+    """Our parameter names (templates) -> the format's tensor names, for this config's family and knobs."""
+    names = dict(NAME_MAPS[(fmt, cfg.is_moe)])
+    if fmt != HF:
+        return names
+    if cfg.family in ("qwen3_moe", "olmoe"):
+        names |= _QWEN_FFN
+    if cfg.qk_norm:
+        names |= _QK_NORMS
+    if cfg.qkv_bias:
+        names |= _QKV_BIAS
+    if cfg.o_bias:
+        names |= _O_BIAS
+    if cfg.norm == "layer":
+        names |= _NORM_BIAS
+    if cfg.head_bias:
+        names["output.bias"] = "lm_head.bias"
+    return names
+
+
 EXPERT_PARAMS = ("w1", "w2", "w3")
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
@@ -71,7 +108,7 @@ def external_name(fmt: str, cfg: ModelConfig, name: str, expert: int | None = No
     template = _LAYER.sub("layers.{i}.", name) if m else name
     if cfg.tie_embeddings and template == "output.weight":
         template = "tok_embeddings.weight"
-    out = NAME_MAPS[(fmt, cfg.is_moe)][template]
+    out = name_map(fmt, cfg)[template]
     return out.format(i=m.group(1) if m else "", e=expert)
 
 

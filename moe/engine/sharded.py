@@ -151,7 +151,7 @@ class ShardedEngine:
         B, S = tokens_BS.shape
         shape = (B, S, cfg.dim)
         device = self.dist.device
-        h = self.model.tok_embeddings(tokens_BS.to(device)) if self.rank in p.embed_ranks else None
+        h = self.model.embed(tokens_BS.to(device)) if self.rank in p.embed_ranks else None
         ctx = (AttentionContext.build(cfg, self.model.rotary, B, S, start, padding, device, self.dtype)
                if self.my_blocks else None)
         rows = real_token_rows(padding, S, start, device)
@@ -188,7 +188,7 @@ class ShardedEngine:
             return None
         if last_only:
             h = h[:, -1:]
-        return self.model.output(self.model.norm(h))
+        return self.model.head(h)
 
     def _slice_inputs(self, ctx: AttentionContext | None, padding: Padding | None, seq: int, start: int,
                       batch: int) -> tuple[AttentionContext | None, torch.Tensor | None]:

@@ -110,6 +110,9 @@ def validate_block(s: BlockStrategy, block: int, world_size: int, cfg) -> None:
         if H % g or (G % g and g % G):
             raise PlacementError(f"{where}: {H} query heads and {G} KV heads cannot be split evenly over {g} ranks "
                                 "(the heads must divide by the ranks, and the KV heads divide them or by them)")
+        if cfg.qk_norm == "projection":
+            raise PlacementError(f"{where}: attention 'tensor' would split the q and k norms, which {cfg.family} takes "
+                                 "over every head's projection at once; use attention 'layer' or 'replicated'")
     if s.experts == "tensor":
         if not s.expert_groups:
             raise PlacementError(f"{where}: experts 'tensor' needs at least one group of ranks")

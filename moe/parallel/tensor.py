@@ -28,18 +28,23 @@ def slices_of(model: torch.nn.Module) -> dict[str, Slice]:
 
 
 def split_attention(model: Transformer, block: str, ranks: tuple[int, ...], rank: int) -> None:
-    """Keep this rank's query heads (and the KV heads they use): q/k/v by rows, the output projection by columns."""
+    """Keep this rank's query heads (and the KV heads they use): q/k/v by rows (and their biases), the output
+    projection by columns; its bias, added once after the sum over the group, only on the group's first rank.
+    Per-head q/k norms apply to every head alike and stay whole."""
     cfg, attention = model.cfg, model.layers[block].attention
     q, kv = head_slices(cfg.n_heads, cfg.n_kv_heads, len(ranks), ranks.index(rank))
-    Dh = cfg.head_dim
+    Dh, bias = cfg.head_dim, cfg.qkv_bias
     with torch.device("meta"):
-        attention.wq, attention.wo = Linear(cfg.dim, len(q) * Dh), Linear(len(q) * Dh, cfg.dim)
-        attention.wk, attention.wv = Linear(cfg.dim, len(kv) * Dh), Linear(cfg.dim, len(kv) * Dh)
+        attention.wq = Linear(cfg.dim, len(q) * Dh, bias)
+        attention.wo = Linear(len(q) * Dh, cfg.dim, cfg.o_bias and rank == ranks[0])
+        attention.wk, attention.wv = Linear(cfg.dim, len(kv) * Dh, bias), Linear(cfg.dim, len(kv) * Dh, bias)
     attention.n_heads, attention.n_kv_heads = len(q), len(kv)
     prefix = f"layers.{block}.attention."
-    model.slices = slices_of(model) | {
-        prefix + "wq.weight": (0, q.start * Dh, q.stop * Dh), prefix + "wk.weight": (0, kv.start * Dh, kv.stop * Dh),
-        prefix + "wv.weight": (0, kv.start * Dh, kv.stop * Dh), prefix + "wo.weight": (1, q.start * Dh, q.stop * Dh)}
+    rows = {"wq": (0, q.start * Dh, q.stop * Dh), "wk": (0, kv.start * Dh, kv.stop * Dh),
+            "wv": (0, kv.start * Dh, kv.stop * Dh)}
+    model.slices = slices_of(model) | {prefix + f"{w}.weight": s for w, s in rows.items()} | {
+        prefix + "wo.weight": (1, q.start * Dh, q.stop * Dh)} | (
+        {prefix + f"{w}.bias": s for w, s in rows.items()} if bias else {})
 
 
 def split_experts(model: Transformer, block: str, group: tuple[int, ...], rank: int, held: list[int],

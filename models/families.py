@@ -1,0 +1,115 @@
+"""Families as data: what each model family changes against Mixtral, read from its own `config.json`.
+
+`model_type` (else `architectures`) picks the family; each family turns its config's fields into the knobs of
+`ModelConfig` (router kind, renormalisation, QK-norm kind, biases, norm kind, scalar multipliers, expert width).
+A family, a `hidden_act` or a field that changes the math but that no knob covers yet is refused in one line,
+never ignored. The references are transformers' modeling files of each family (`tests/test_families.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# model_type -> the architectures names that say it, for configs without a model_type
+ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+                 "granitemoe": "GraniteMoeForCausalLM", "phimoe": "PhimoeForCausalLM"}
+NOT_YET = {"qwen2_moe": "shared experts", "deepseek_v2": "multi-head latent attention",
+           "deepseek_v3": "multi-head latent attention", "gpt_oss": "attention sinks and MXFP4 experts"}
+
+
+class FamilyError(ValueError):
+    """The config names a family, an activation or a field the project does not run; the message says which."""
+
+
+def family_of(cfg: dict[str, Any]) -> str:
+    kind = cfg.get("model_type")
+    if kind is None:
+        names = {v: k for k, v in ARCHITECTURES.items()}
+        kind = next((names[a] for a in cfg.get("architectures") or [] if a in names), "mixtral")
+    if kind in NOT_YET:
+        raise FamilyError(f"config.json's model_type {kind!r} needs {NOT_YET[kind]}, which this version does not "
+                          f"run; supported: {', '.join(ARCHITECTURES)}")
+    if kind not in ARCHITECTURES:
+        raise FamilyError(f"config.json's model_type {kind!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    return kind
+
+
+def knobs(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The family's `ModelConfig` fields beyond the Mixtral ones every family shares."""
+    family = family_of(cfg)
+    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise FamilyError(f"config.json's hidden_act {act!r} is not supported (the experts run SwiGLU: silu)")
+    out: dict[str, Any] = {"family": family}
+    if cfg.get("attention_bias"):
+        out |= {"qkv_bias": True, "o_bias": True}
+    if family in ("qwen3_moe", "olmoe"):
+        out |= _qwen_like(cfg, family)
+    elif family == "granitemoe":
+        out |= {"embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
+                "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
+                "attention_scale": float(cfg.get("attention_multiplier", 1.0)),
+                "logits_scaling": float(cfg.get("logits_scaling", 1.0))}
+    elif family == "phimoe":
+        out |= {"router": "sparsemixer", "router_jitter": float(cfg.get("router_jitter_noise", 0.01)),
+                "norm": "layer", "head_bias": bool(cfg.get("lm_head_bias", False))}
+        if cfg.get("num_experts_per_tok", 2) != 2:
+            raise FamilyError("config.json's num_experts_per_tok must be 2 for PhiMoE's sparsemixer router")
+    return out
+
+
+def _qwen_like(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    """Qwen3-MoE and OLMoE: softmax over every expert, top-k of the probabilities, renormalised if asked."""
+    dense = [i for i in range(cfg.get("num_hidden_layers", 0)) if _is_dense(cfg, i)]
+    if dense:
+        raise FamilyError(f"config.json makes layers {dense[:4]} dense (mlp_only_layers / decoder_sparse_step), "
+                          "which this version does not run")
+    out = {"router": "softmax", "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+           "qk_norm": "head" if family == "qwen3_moe" else "projection"}
+    if family == "qwen3_moe":
+        out["hidden_dim"] = cfg.get("moe_intermediate_size", cfg.get("intermediate_size"))
+        if cfg.get("use_sliding_window") and cfg.get("max_window_layers", 0) < cfg.get("num_hidden_layers", 0):
+            raise FamilyError("config.json slides the window over only some layers (max_window_layers), which this "
+                              "version does not run")
+    if cfg.get("clip_qkv") is not None:
+        out["clip_qkv"] = float(cfg["clip_qkv"])
+    return out
+
+
+def _is_dense(cfg: dict[str, Any], layer: int) -> bool:
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    return layer in (cfg.get("mlp_only_layers") or []) or (layer + 1) % step != 0
+
+
+def sliding_window(cfg: dict[str, Any]) -> int | None:
+    """The window every layer slides (Qwen's configs carry one that applies only with `use_sliding_window`)."""
+    if family_of(cfg) == "qwen3_moe" and not cfg.get("use_sliding_window", False):
+        return None
+    return cfg.get("sliding_window")
+
+
+def experts_of(cfg: dict[str, Any]) -> tuple[int, int]:
+    """(experts, experts per token), whatever the family calls them."""
+    n = cfg.get("num_local_experts", cfg.get("num_experts", 1))
+    return n, cfg.get("num_experts_per_tok", 1)
+
+
+def hf_fields(cfg) -> dict[str, Any]:
+    """What `ModelConfig.to_hf` writes beyond Mixtral's fields, so that a save loads in transformers as its family."""
+    family = cfg.family
+    if family == "mixtral":
+        return {}
+    out: dict[str, Any] = {"model_type": family, "architectures": [ARCHITECTURES[family]],
+                           "attention_bias": cfg.qkv_bias}
+    if family in ("qwen3_moe", "olmoe"):
+        out |= {"num_experts": cfg.n_experts, "norm_topk_prob": cfg.norm_topk_prob, "clip_qkv": cfg.clip_qkv,
+                "use_sliding_window": cfg.sliding_window is not None, "decoder_sparse_step": 1, "mlp_only_layers": []}
+        if family == "qwen3_moe":
+            out["moe_intermediate_size"] = cfg.hidden_dim
+    elif family == "granitemoe":
+        out |= {"embedding_multiplier": cfg.embedding_multiplier, "residual_multiplier": cfg.residual_multiplier,
+                "attention_multiplier": cfg.attention_scale, "logits_scaling": cfg.logits_scaling}
+    elif family == "phimoe":
+        out |= {"router_jitter_noise": cfg.router_jitter, "lm_head_bias": cfg.head_bias}
+    return out

@@ -1,0 +1,99 @@
+"""Each MoE family against transformers' own implementation of it, on random weights written by transformers
+(tiny configs that switch every knob of the family on): logits within 1e-4 (fp32), the same greedy tokens, and
+N ranks under each strategy give the 1-rank tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe import MoEModel
+
+pytestmark = pytest.mark.reference
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.15, rope_theta=10000.0,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# head_dim != hidden/heads, top-k > 2, and each family's own knobs
+FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(head_dim=24, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=40,
+                       norm_topk_prob=True)),
+    "qwen3_moe-unnormalised": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                               dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
+                                    norm_topk_prob=False, attention_bias=True)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              dict(num_experts=6, num_experts_per_tok=3, clip_qkv=0.9, norm_topk_prob=False)),
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM",
+               dict(num_local_experts=4, num_experts_per_tok=2, attention_bias=True, lm_head_bias=True,
+                    router_jitter_noise=0.3, sliding_window=None)),
+}
+
+
+def hf_family(name: str, seed: int = 0):
+    transformers = pytest.importorskip("transformers")
+    config_class, model_class, knobs = FAMILIES[name]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**(COMMON | knobs)))
+    with torch.no_grad():  # norms and biases away from their initial ones and zeros, so that a wrong one shows
+        for n, p in model.named_parameters():
+            if "norm" in n or n.endswith("bias"):
+                p.normal_(1.0 if n.endswith("weight") else 0.0, 0.3)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    hf = hf_family(request.param)
+    path = tmp_path_factory.mktemp(request.param) / "hf"
+    hf.save_pretrained(path)
+    return request.param, hf, path
+
+
+def test_logits_and_greedy_tokens_match_transformers(family):
+    name, hf, path = family
+    model = MoEModel.from_pretrained(path)
+    assert model.config.family == name.split("-")[0]
+    ids = torch.randint(3, 128, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits
+    assert (model(ids) - want).abs().max().item() < 1e-4
+    prompt = ids[0, :6].tolist()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, 6:].tolist()
+    want_tokens = out[:out.index(2)] if 2 in out else out
+    assert model.generate([prompt], max_new_tokens=12)[0] == want_tokens
+
+
+LAYOUTS = [dict(gpus=2), dict(gpus=3), dict(gpus=2, attention="replicated"), dict(gpus=2, attention="tensor"),
+           dict(gpus=2, experts="tensor"), dict(gpus=2, experts="layer"), dict(gpus=4, attention="tensor")]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_n_ranks_under_each_strategy_give_the_one_rank_tokens(family):
+    name, _, path = family
+    prompts = [[1, 9, 33, 7, 5, 12], [1, 40, 41]]
+    with MoEModel.from_pretrained(path) as one:
+        want, ids = one.generate(prompts, max_new_tokens=10), torch.tensor([prompts[0]])
+        logits = one(ids)
+    for layout in LAYOUTS:
+        if layout.get("attention") == "tensor" and name == "olmoe":
+            with pytest.raises(ValueError, match="attention 'tensor' would split the q and k norms"):
+                MoEModel.from_pretrained(path, **layout)
+            continue
+        with MoEModel.from_pretrained(path, **layout) as model:
+            assert model.generate(prompts, max_new_tokens=10) == want, layout
+            assert (model(ids) - logits).abs().max().item() < 1e-5, layout
+
+
+def test_a_save_loads_in_transformers_as_its_family(family, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    name, hf, path = family
+    with MoEModel.from_pretrained(path) as model:
+        model.save_pretrained(tmp_path / "saved")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    assert type(again) is type(hf)
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, hf(ids).logits)
