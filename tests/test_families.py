@@ -24,6 +24,9 @@ FAMILIES = {
                                     norm_topk_prob=False, attention_bias=True)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
               dict(num_experts=6, num_experts_per_tok=3, clip_qkv=0.9, norm_topk_prob=False)),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
+                   dict(num_local_experts=6, num_experts_per_tok=3, embedding_multiplier=3.0, residual_multiplier=0.4,
+                        attention_multiplier=0.09, logits_scaling=2.5, attention_bias=True)),
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM",
                dict(num_local_experts=4, num_experts_per_tok=2, attention_bias=True, lm_head_bias=True,
                     router_jitter_noise=0.3, sliding_window=None)),
@@ -97,3 +100,43 @@ def test_a_save_loads_in_transformers_as_its_family(family, tmp_path):
     ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert torch.equal(again(ids).logits, hf(ids).logits)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "granitemoe"])
+def test_fused_expert_tensors_as_transformers_5_writes_them_load_too(name, tmp_path):
+    """`save_pretrained(save_original_format=False)`: each block's experts as 3-D `gate_up_proj`/`down_proj`."""
+    hf = hf_family(name)
+    hf.save_pretrained(tmp_path / "fused", save_original_format=False)
+    model = MoEModel.from_pretrained(tmp_path / "fused")
+    assert model.info.format == "hf-fused"
+    ids = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max().item() < 1e-4
+    with MoEModel.from_pretrained(tmp_path / "fused", gpus=2, experts="tensor") as two:  # slices of 3-D rows
+        assert (two(ids) - model(ids)).abs().max().item() < 1e-5
+
+
+def test_mixtral_fused_as_transformers_5_writes_it_loads(tmp_path):
+    from tests.checkpoints import hf_model
+
+    hf = hf_model("mixtral")
+    hf.save_pretrained(tmp_path / "fused", save_original_format=False)
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (MoEModel.from_pretrained(tmp_path / "fused")(ids) - hf(ids).logits).abs().max().item() < 1e-4
+
+
+def test_families_and_fields_not_run_are_refused_in_one_line(tmp_path):
+    from models.config import ConfigError, ModelConfig
+
+    base = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=96, vocab_size=128)
+    cases = [
+        (dict(model_type="bert"), "model_type 'bert' is not supported; supported: mixtral, mistral, llama, qwen3_moe"),
+        (dict(model_type="qwen2_moe"), "model_type 'qwen2_moe' needs shared experts, which this version does not run"),
+        (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+        (dict(model_type="qwen3_moe", num_experts=4, mlp_only_layers=[1]), "makes layers [1] dense"),
+        (dict(model_type="qwen3_moe", num_experts=4, decoder_sparse_step=2), "makes layers [0] dense"),
+    ]
+    for fields, message in cases:
+        with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            ModelConfig.from_hf(base | fields)

@@ -16,7 +16,7 @@ import torch
 
 from models.config import ModelConfig
 from moe.checkpoint.files import CheckpointError
-from moe.checkpoint.formats import HF, is_stacked_expert
+from moe.checkpoint.formats import HF, is_stacked_expert, name_map, restack
 from moe.checkpoint.slices import reassemble
 from moe.checkpoint.writer import (
     dtype_name,
@@ -134,9 +134,15 @@ def save_distributed(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Pa
     Files are planned from names and shapes alone; each file's tensors are made dense (unpacked, copied off
     the GPU) just before it is written, so saving needs little memory beyond the model."""
     out_dir = Path(out_dir)
+    if ctx.world_size > 1 and any("#" in t for t in name_map(HF, cfg).values()):  # before any collective
+        raise CheckpointError(f"{cfg.family} keeps each block's experts in one tensor, which no rank holds whole: "
+                              "save from one process (gpus=1)")
     plan = plan_save(model, cfg, ctx)
     tmp = shared_partial_dir(out_dir, ctx)
-    sizes = nbytes(plan.mine)
+    members: dict[str, list[str]] = {}  # each tensor written, and the external tensors it is made of
+    for name in plan.mine:
+        members.setdefault(name.partition("#")[0], []).append(name)  # a 3-D expert tensor: its rows (`restack`)
+    sizes = {unit: sum(nbytes({n: plan.mine[n]})[n] for n in names) for unit, names in members.items()}
     try:
         shards = plan_shards(sizes, max_shard_bytes) if plan.mine else []
         if progress is not None:
@@ -147,7 +153,8 @@ def save_distributed(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Pa
         try:
             for i, names in enumerate(shards):
                 fname = shard_file_name(first + i + 1, total_files)
-                write_file(dense_external(model, cfg, names, plan), tmp / fname, progress,
+                parts = [n for unit in names for n in members[unit]]
+                write_file(restack(dense_external(model, cfg, parts, plan)), tmp / fname, progress,
                            metadata={"format": "pt"})
                 weight_map.update(dict.fromkeys(names, fname))
                 files.append(fname)

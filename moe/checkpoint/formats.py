@@ -8,7 +8,9 @@ half-split one: `to_half_split` / `to_interleaved` convert at the boundary.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +18,10 @@ from pathlib import Path
 import torch
 
 from models.config import ConfigError, ModelConfig
-from moe.checkpoint.files import CheckpointError, refuse_pickles
+from moe.checkpoint.files import CheckpointError, TensorInfo, read_header, refuse_pickles
 
 HF, MISTRAL = "hf", "mistral"
+HF_FUSED = "hf-fused"  # a Hugging Face directory whose experts are transformers 5's fused 3-D tensors
 
 _COMMON_HF = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -74,13 +77,38 @@ _NORM_BIAS = {"layers.{i}.attention_norm.bias": "model.layers.{i}.input_layernor
               "norm.bias": "model.norm.bias"}
 
 
+# Experts stored as one 3-D tensor per block: GraniteMoE's Hub names, and transformers 5's fused layout
+# (`experts.gate_up_proj` [E, 2F, D] with gate rows first, `experts.down_proj` [E, D, F]). `#e` names row e of such
+# a tensor, `#e:k/n` its k-th of n equal parts (`expand_stacked` makes them readable like per-expert tensors).
+_GRANITE_FFN = {
+    "layers.{i}.feed_forward.gate.weight": "model.layers.{i}.block_sparse_moe.router.layer.weight",
+    "layers.{i}.feed_forward.experts.w1": "model.layers.{i}.block_sparse_moe.input_linear.weight#{e}:0/2",
+    "layers.{i}.feed_forward.experts.w3": "model.layers.{i}.block_sparse_moe.input_linear.weight#{e}:1/2",
+    "layers.{i}.feed_forward.experts.w2": "model.layers.{i}.block_sparse_moe.output_linear.weight#{e}",
+}
+
+
+def _fused_ffn(family: str) -> dict[str, str]:
+    """transformers 5's fused expert tensors, as it names them in memory for each family."""
+    granite = family == "granitemoe"
+    at = f"model.layers.{{i}}.{'block_sparse_moe' if granite else 'mlp'}"
+    return {"layers.{i}.feed_forward.gate.weight": f"{at}.{'router' if granite else 'gate'}.weight",
+            "layers.{i}.feed_forward.experts.w1": f"{at}.experts.gate_up_proj#{{e}}:0/2",
+            "layers.{i}.feed_forward.experts.w3": f"{at}.experts.gate_up_proj#{{e}}:1/2",
+            "layers.{i}.feed_forward.experts.w2": f"{at}.experts.down_proj#{{e}}"}
+
+
 def name_map(fmt: str, cfg: ModelConfig) -> dict[str, str]:
     """Our parameter names (templates) -> the format's tensor names, for this config's family and knobs."""
-    names = dict(NAME_MAPS[(fmt, cfg.is_moe)])
-    if fmt != HF:
+    names = dict(NAME_MAPS[(HF if fmt == HF_FUSED else fmt, cfg.is_moe)])
+    if fmt == MISTRAL:
         return names
     if cfg.family in ("qwen3_moe", "olmoe"):
         names |= _QWEN_FFN
+    if cfg.family == "granitemoe" and cfg.is_moe:
+        names |= _GRANITE_FFN
+    if fmt == HF_FUSED and cfg.is_moe:
+        names |= _fused_ffn(cfg.family)
     if cfg.qk_norm:
         names |= _QK_NORMS
     if cfg.qkv_bias:
@@ -154,7 +182,7 @@ def detect(directory: str | Path) -> CheckpointFormat:
     if (d / "config.json").exists():
         raw = _read_json(d / "config.json")
         files = sorted(p.name for p in d.glob("*.safetensors"))
-        fmt, cfg = HF, _config(ModelConfig.from_hf, raw, d / "config.json")
+        fmt, cfg = _hf_layout(d, files), _config(ModelConfig.from_hf, raw, d / "config.json")
         dtype = raw.get("dtype") or raw.get("torch_dtype")
     elif (d / "params.json").exists():
         raw = _read_json(d / "params.json")
@@ -166,6 +194,18 @@ def detect(directory: str | Path) -> CheckpointFormat:
         raise CheckpointError(f"{d}: neither config.json (Hugging Face) nor params.json (Mistral) found")
     check_size(d, cfg, "config.json" if fmt == HF else "params.json")
     return CheckpointFormat(fmt, cfg, files, dtype)
+
+
+def _hf_layout(d: Path, files: list[str]) -> str:
+    """HF_FUSED where the experts are transformers 5's fused tensors (`experts.gate_up_proj`), else HF: the names
+    of the index, or of the first file's header (a few KiB)."""
+    index = d / "model.safetensors.index.json"
+    try:
+        names = list(json.loads(index.read_text()).get("weight_map", {})) if index.exists() else \
+            list(read_header(d / files[0])) if files else []
+    except (OSError, json.JSONDecodeError, AttributeError, CheckpointError):
+        return HF  # the loader names what is wrong with the files
+    return HF_FUSED if any(".experts.gate_up_proj" in n for n in names) else HF
 
 
 def parameter_count(cfg: ModelConfig) -> int:
@@ -201,3 +241,50 @@ def _config(parse, raw: dict, path: Path) -> ModelConfig:
         return parse(raw)
     except (ConfigError, TypeError) as e:
         raise CheckpointError(f"{path}: {e}") from None
+
+
+def expand_stacked(tensors: dict[str, TensorInfo], fmt: str, cfg: ModelConfig) -> dict[str, TensorInfo]:
+    """The catalog of a checkpoint with each 3-D expert tensor the name map reads by rows (`name#e`, `name#e:k/n`)
+    replaced by one entry per expert (and part): each a contiguous run of the file, read like a per-expert tensor,
+    a slice of it too (tensor parallelism)."""
+    parts: dict[str, int] = {}
+    for template in name_map(fmt, cfg).values():
+        if "#" in template:
+            base, _, selector = template.partition("#")
+            parts[base] = int(selector.split("/")[1]) if "/" in selector else 1
+    if not parts:
+        return tensors
+    out = dict(tensors)
+    for template, n in parts.items():
+        for i in range(cfg.n_layers):
+            base = template.format(i=i)
+            info = out.pop(base, None)
+            if info is None:
+                continue  # reported as missing, by its experts' names
+            experts, rows, rest = info.shape[0], info.shape[1] // n, math.prod(info.shape[2:])
+            item = info.nbytes // max(1, math.prod(info.shape))
+            for e in range(experts):
+                for k in range(n):
+                    name = f"{base}#{e}" if n == 1 else f"{base}#{e}:{k}/{n}"
+                    offset = info.offset + (e * info.shape[1] + k * rows) * rest * item
+                    out[name] = dataclasses.replace(info, shape=(rows, *info.shape[2:]), offset=offset,
+                                                    nbytes=rows * rest * item)
+    return out
+
+
+def restack(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`expand_stacked` undone for a save: the rows and parts of each 3-D expert tensor stacked back into it."""
+    out: dict[str, torch.Tensor] = {}
+    grouped: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
+    for name, t in tensors.items():
+        if "#" not in name:
+            out[name] = t
+            continue
+        base, _, selector = name.partition("#")
+        e, _, part = selector.partition(":")
+        grouped.setdefault(base, {})[(int(e), int(part.split("/")[0]) if part else 0)] = t
+    for base, pieces in grouped.items():
+        experts = sorted({e for e, _ in pieces})
+        out[base] = torch.stack([torch.cat([pieces[(e, k)] for k in sorted(k for x, k in pieces if x == e)])
+                                 for e in experts])
+    return out

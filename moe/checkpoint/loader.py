@@ -22,6 +22,7 @@ from moe.checkpoint.files import CheckpointError, TensorInfo, index_tensors
 from moe.checkpoint.formats import (
     CheckpointFormat,
     all_external_names,
+    expand_stacked,
     external_name,
     is_stacked_expert,
     needs_rope_permute,
@@ -246,7 +247,7 @@ def load_into(model: nn.Module, ckpt: CheckpointFormat, directory: str | Path, f
     """
     progress = progress or silent()
     t0 = time.perf_counter()
-    tensors = index_tensors(Path(directory), ckpt.weight_files)
+    tensors = expand_stacked(index_tensors(Path(directory), ckpt.weight_files), ckpt.fmt, ckpt.config)
     check_names_and_shapes(ckpt, full_shapes, tensors)
     cfg = ckpt.config
     sources = needed_sources(model, ckpt.fmt, cfg)

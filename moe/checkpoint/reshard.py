@@ -16,7 +16,15 @@ import torch
 
 from models.transformer import Transformer
 from moe.checkpoint.files import index_tensors
-from moe.checkpoint.formats import HF, detect, external_name, is_stacked_expert, needs_rope_permute, to_half_split
+from moe.checkpoint.formats import (
+    HF,
+    detect,
+    expand_stacked,
+    external_name,
+    is_stacked_expert,
+    needs_rope_permute,
+    to_half_split,
+)
 from moe.checkpoint.loader import SAFETENSORS_DTYPES, TensorReader, needed_sources
 from moe.checkpoint.writer import (
     finish_checkpoint,
@@ -84,8 +92,11 @@ def reshard(src: str | Path, out: str | Path, max_shard_bytes: int | None,
     src, out = Path(src), Path(out)
     ckpt = detect(src)
     cfg = ckpt.config
-    tensors = index_tensors(src, ckpt.weight_files)
+    tensors = expand_stacked(index_tensors(src, ckpt.weight_files), ckpt.fmt, cfg)
     moves = plan_moves(ckpt.fmt, cfg)
+    if any("#" in m.dst for m in moves):
+        raise ValueError(f"{src}: {cfg.family} keeps each block's experts in one tensor; re-sharding it by expert is "
+                         "not supported")
     missing = [m.src for m in moves if m.src not in tensors]
     if missing:
         raise ValueError(f"{src}: tensor {missing[0]} is missing ({len(missing)} missing in all)")

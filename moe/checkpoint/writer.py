@@ -18,7 +18,15 @@ from safetensors.torch import save_file
 
 from models.config import ModelConfig
 from moe.checkpoint.files import HF_INDEX, CheckpointError
-from moe.checkpoint.formats import HF, MISTRAL, external_name, is_stacked_expert, needs_rope_permute, to_interleaved
+from moe.checkpoint.formats import (
+    HF,
+    MISTRAL,
+    external_name,
+    is_stacked_expert,
+    needs_rope_permute,
+    restack,
+    to_interleaved,
+)
 from moe.host import process_alive
 from moe.progress import Progress
 
@@ -97,7 +105,7 @@ def save_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: s
     out_dir = Path(out_dir)
     tmp = make_partial_dir(out_dir)
     try:
-        tensors = to_external({k: v.detach().cpu() for k, v in state.items()}, cfg, fmt)
+        tensors = restack(to_external({k: v.detach().cpu() for k, v in state.items()}, cfg, fmt))
         if progress is not None:
             progress.start(sum(nbytes(tensors).values()))
         if fmt == MISTRAL:
