@@ -35,6 +35,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     bos_id: int | None = 1
     eos_id: int | None = 2
+    eos_ids: tuple[int, ...] = ()  # every end-of-sequence id config.json lists (eos_id is the first)
     rope_scaling: RopeScaling = RopeScaling()  # models.rope: how positions become angles past the default
     max_position_embeddings: int | None = None  # the config's own figure where it differs from max_seq_len (dynamic)
     # What a family changes against Mixtral (models.families reads them from its config.json)
@@ -117,6 +118,7 @@ class ModelConfig:
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_id=_first(cfg.get("bos_token_id", 1)),
             eos_id=_first(cfg.get("eos_token_id", 2)),
+            eos_ids=tuple(cfg["eos_token_id"]) if isinstance(cfg.get("eos_token_id"), list) else (),
             **family,
         )
 

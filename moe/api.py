@@ -18,12 +18,12 @@ import torch
 
 from models.config import ModelConfig
 from models.kernels import native
-from models.kernels.choice import KERNELS
 from moe.checkpoint.formats import detect
+from moe.checkpoint.generation_config import GenerationDefaults, read_generation_config
 from moe.checkpoint.loader import INT8, activation_dtype, parse_precision
 from moe.engine.base import Engine
 from moe.engine.build import build_model
-from moe.engine.layouts import compilable_plan
+from moe.engine.layouts import check_options, compilable_plan
 from moe.engine.local import LocalEngine
 from moe.errors import USER_ERRORS, RankFailure
 from moe.generation import SamplingParams, check_prompts
@@ -31,42 +31,17 @@ from moe.info import ModelInfo, announce
 from moe.memory import MemoryUse, available_mib, peak_memory_mib
 from moe.parallel.devices import ranks_device
 from moe.parallel.distributed import DEFAULT_TIMEOUT_S, from_torchrun
-from moe.parallel.gather import EXCHANGES
 from moe.parallel.placement import Placement, resolve_placement
-from moe.parallel.strategies import ATTENTION_STRATEGIES, EXPERT_STRATEGIES
 from moe.progress import Progress
 from moe.reports.expert_load import ExpertLoadReport
-from moe.tokenizer import IncrementalDecoder, Tokenizer
+from moe.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
 from moe.workers.rank import ShardSpec, load_report
-
-
-def check_options(gpus: int, cpu_kernels: str, attention: str, experts: str, exchange: str, compile: bool,
-                  threads: int | None = None) -> None:
-    """`from_pretrained`'s choices, each refused in one line before anything is loaded or started."""
-    if not isinstance(gpus, int) or gpus < 1:
-        raise ValueError(f"gpus must be a positive integer, got {gpus!r}")
-    if threads is not None and (not isinstance(threads, int) or threads < 1):
-        raise ValueError(f"threads must be a positive integer, got {threads!r}")
-    if cpu_kernels not in KERNELS:
-        raise ValueError(f"cpu_kernels={cpu_kernels!r}: use one of {', '.join(KERNELS)}")
-    if attention not in ATTENTION_STRATEGIES:
-        raise ValueError(f"attention={attention!r}: use one of {', '.join(ATTENTION_STRATEGIES)}")
-    if experts not in EXPERT_STRATEGIES:
-        raise ValueError(f"experts={experts!r}: use one of {', '.join(EXPERT_STRATEGIES)}")
-    if experts == "layer" and attention != "layer":
-        raise ValueError(f"experts='layer' (each block's experts on its owner) needs attention='layer', "
-                         f"got {attention!r}")
-    if exchange not in EXCHANGES:
-        raise ValueError(f"exchange={exchange!r}: use one of {', '.join(EXCHANGES)}")
-    if compile not in (True, False):
-        raise ValueError(f"compile must be True or False, got {compile!r}")
-    if compile and cpu_kernels == "onednn":
-        raise ValueError("compile=True cannot trace oneDNN-packed weights: use cpu_kernels='auto' or 'torch'")
 
 
 class MoEModel:
     def __init__(self, engine: Engine, config: ModelConfig, tokenizer: Tokenizer | None, info: ModelInfo) -> None:
         self.engine, self.config, self._tokenizer, self.info = engine, config, tokenizer, info
+        self.generation_defaults = GenerationDefaults()  # the checkpoint's generation_config.json, once loaded
         self._lock = threading.Lock()  # one call at a time: the ranks run one request in lock-step
         self._broken = ""  # under torchrun: why this rank's model can no longer be used
 
@@ -108,8 +83,8 @@ class MoEModel:
         """
         ckpt = detect(path)
         cfg = ckpt.config
-        tok_path = Path(path) / "tokenizer.model"
-        tokenizer = Tokenizer(tok_path) if tok_path.exists() else None
+        tokenizer = load_tokenizer(path)
+        defaults = read_generation_config(path, list(cfg.eos_ids) or cfg.eos_id)
         dtype_name = parse_precision(dtype, ckpt.torch_dtype)
         check_options(gpus, cpu_kernels, attention, experts, exchange, compile, threads)
         base = dict(format=ckpt.fmt, dtype=dtype_name, cpu_kernels=cpu_kernels, attention=attention, experts=experts,
@@ -118,19 +93,23 @@ class MoEModel:
         if threads is not None and (joined is not None or (gpus == 1 and placement is None)):
             torch.set_num_threads(threads)  # this process is the rank: `threads` is its own pool
         if joined is not None:
-            return cls._join_torchrun(path, cfg, tokenizer, base, *joined, gpus, placement, blocks_per_rank, progress,
-                                      compile)
-        kind = ranks_device(device, gpus)
-        if kind == "cpu" and cpu_kernels == "auto":
-            native.available()  # built here once, before N ranks start and load it
-        if gpus == 1 and placement is None:
-            return cls._load_here(path, cfg, tokenizer, base, device if device.startswith("cuda:") else kind,
-                                  progress, compile)
-        plan = resolve_placement(placement, cfg, gpus, blocks_per_rank, attention, experts)
-        compilable_plan(plan, compile, exchange)  # refused here, before any rank starts (load_shard checks it too)
-        spec = ShardSpec(str(path), dtype_name, plan.to_json(), progress, cpu_kernels, kind, timeout_s, exchange,
-                         compile)
-        return cls._start_ranks(spec, cfg, tokenizer, base, gpus, plan, master_port, threads)
+            model = cls._join_torchrun(path, cfg, tokenizer, base, *joined, gpus, placement, blocks_per_rank,
+                                       progress, compile)
+        else:
+            kind = ranks_device(device, gpus)
+            if kind == "cpu" and cpu_kernels == "auto":
+                native.available()  # built here once, before N ranks start and load it
+            if gpus == 1 and placement is None:
+                model = cls._load_here(path, cfg, tokenizer, base, device if device.startswith("cuda:") else kind,
+                                       progress, compile)
+            else:
+                plan = resolve_placement(placement, cfg, gpus, blocks_per_rank, attention, experts)
+                compilable_plan(plan, compile, exchange)  # refused before any rank starts (load_shard checks too)
+                spec = ShardSpec(str(path), dtype_name, plan.to_json(), progress, cpu_kernels, kind, timeout_s,
+                                 exchange, compile)
+                model = cls._start_ranks(spec, cfg, tokenizer, base, gpus, plan, master_port, threads)
+        model.generation_defaults = defaults
+        return model
 
     @classmethod
     def _load_here(cls, path, cfg, tokenizer, base: dict, device: str, progress: bool, compile: bool) -> MoEModel:
@@ -187,7 +166,7 @@ class MoEModel:
             try:
                 yield
             except USER_ERRORS as e:
-                if dist is None or dist.collectives == entered:
+                if dist is None or dist.collectives == entered or getattr(e, "agreed_by_all_ranks", False):
                     raise
                 line = str(e).splitlines()[0] if str(e) else ""
                 self._broken = (f"rank {self.info.rank} raised {type(e).__name__} after the call's first collective: "
@@ -202,7 +181,8 @@ class MoEModel:
     @property
     def tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
-            raise ValueError("this checkpoint has no tokenizer.model; pass token ids instead of text")
+            raise ValueError("this checkpoint has neither tokenizer.json nor tokenizer.model; pass token ids instead "
+                             "of text")
         return self._tokenizer
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -219,12 +199,15 @@ class MoEModel:
         with self._calling():
             return self.engine.random_seed()
 
-    def generate(self, prompts: list[str] | list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 streamer: Callable[[int, str | int], None] | None = None,
+    def generate(self, prompts: list[str] | list[list[int]], max_new_tokens: int = 64,
+                 temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                 seed: int | None = None, streamer: Callable[[int, str | int], None] | None = None,
                  ignore_eos: bool = False) -> list[str] | list[list[int]]:
         """New text per prompt for string prompts, new token ids per prompt for token-id prompts.
 
+        Sampling values left out come from the checkpoint's `generation_config.json` where it sets them (as
+        transformers and vLLM do; `self.last_defaults` names them), else greedy (temperature 0, top_p 1, top_k off).
+        Generation stops at every end-of-sequence id of the tokenizer, config.json and generation_config.json.
         `ignore_eos` generates exactly `max_new_tokens` (for benchmarks), as vLLM's option of that name.
         `streamer(prompt_index, piece)` receives each new text piece (or token id) as soon as it exists.
         """
@@ -235,10 +218,11 @@ class MoEModel:
             raise ValueError(f"prompt {[bool(p) for p in prompts].index(False)} is empty")
         ids = [self.tokenizer.encode(p) for p in prompts] if is_text else [list(map(int, p)) for p in prompts]
         check_prompts(ids, self.config.vocab_size, self.config.max_seq_len)
-        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed if seed is not None else 0)
+        sampling, self.last_defaults = self.generation_defaults.merged(temperature=temperature, top_p=top_p,
+                                                                       top_k=top_k)
+        params = SamplingParams(max_new_tokens, **sampling, seed=seed if seed is not None else 0)
         self._check_kv_cache(len(ids), min(max(map(len, ids)) + max_new_tokens, self.config.max_seq_len))
-        eos = self._tokenizer.eos_id if self._tokenizer is not None else self.config.eos_id
-        eos = None if ignore_eos else eos
+        eos = () if ignore_eos else self.eos_ids
         on_token = None
         if streamer is not None and is_text:
             decoders = [IncrementalDecoder(self.tokenizer, p) for p in ids]
@@ -257,6 +241,13 @@ class MoEModel:
         if not is_text:
             return result.tokens
         return [self.tokenizer.decode_continuation(p, t) for p, t in zip(ids, result.tokens, strict=True)]
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every id that ends a sequence: the tokenizer's, config.json's and generation_config.json's."""
+        tokenizer = self._tokenizer.eos_id if self._tokenizer is not None else None
+        found = [tokenizer, self.config.eos_id, *self.config.eos_ids, *self.generation_defaults.eos_ids]
+        return tuple(dict.fromkeys(i for i in found if i is not None))
 
     def _check_kv_cache(self, batch: int, length: int) -> None:
         """Refuse, before any memory is taken, a request whose KV cache cannot fit where it would live."""

@@ -114,7 +114,7 @@ class GenerationResult:
         return sum(len(t) for t in self.tokens)
 
 
-def generate_tokens(engine: Stepper, prompts: list[list[int]], params: SamplingParams, eos_id: int | None,
+def generate_tokens(engine: Stepper, prompts: list[list[int]], params: SamplingParams, eos_ids: tuple[int, ...],
                     context: int, on_token: Callable[[int, int], None] | None = None,
                     should_stop: Callable[[], bool] | None = None) -> GenerationResult:
     """Generate for a batch; `on_token(prompt_index, token)` sees each new token as it comes. `should_stop`
@@ -147,7 +147,7 @@ def generate_tokens(engine: Stepper, prompts: list[list[int]], params: SamplingP
         for b, t in enumerate(host):
             if done[b]:
                 continue
-            if t == eos_id:
+            if t in eos_ids:
                 done[b] = True
                 continue
             out[b].append(t)

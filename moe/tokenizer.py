@@ -1,13 +1,99 @@
-"""SentencePiece tokenizer beside the weights, plus an incremental decoder for streaming text."""
+"""The tokenizer beside the weights: `tokenizer.json` through Hugging Face's `tokenizers` library (what transformers'
+fast tokenizers load, and the only file most MoE checkpoints ship), else a SentencePiece `tokenizer.model`; special
+tokens and whether to add BOS from `tokenizer_config.json`. Plus an incremental decoder for streaming text.
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from moe.checkpoint.files import CheckpointError
 
 
 class Tokenizer:
+    """encode / decode / ids of the special tokens, whichever file backs it (`load_tokenizer`)."""
+
+    path: Path
+    bos_id: int | None
+    eos_id: int | None
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: list[int]) -> str:
+        raise NotImplementedError
+
+    def decode_continuation(self, prompt: list[int], new: list[int]) -> str:
+        """Text of `new` as it reads after `prompt`: a tokenizer may drop a leading space at the start of a
+        decode, which would glue the first new word to the prompt's last one."""
+        return self.decode(prompt + new)[len(self.decode(prompt)):]
+
+
+def load_tokenizer(directory: str | Path) -> Tokenizer | None:
+    """`tokenizer.json` if present (as transformers prefers its fast tokenizer), else `tokenizer.model`, else None."""
+    d = Path(directory)
+    if (d / "tokenizer.json").exists():
+        return HFTokenizer(d / "tokenizer.json")
+    if (d / "tokenizer.model").exists():
+        return SentencePieceTokenizer(d / "tokenizer.model")
+    return None
+
+
+def special_tokens(directory: Path) -> dict:
+    """`tokenizer_config.json`'s special tokens (as text) and `add_bos_token`, where the file says them."""
+    path = directory / "tokenizer_config.json"
+    if not path.exists():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot parse JSON ({e})") from None
+    out = {k: v.get("content") if isinstance(v, dict) else v for k, v in raw.items()
+           if k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    if "add_bos_token" in raw:
+        out["add_bos_token"] = bool(raw["add_bos_token"])
+    return out
+
+
+class HFTokenizer(Tokenizer):
+    """`tokenizer.json` through the `tokenizers` library: its ids and text. BOS comes from the file's own
+    post-processor when it adds one (TemplateProcessing), else from `tokenizer_config.json` (`add_bos_token`)."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer as Fast
+
+        try:
+            self.tok = Fast.from_file(str(path))
+        except Exception as e:  # the library raises its own exception type for a bad file
+            raise CheckpointError(f"{path}: not a tokenizers file ({str(e).splitlines()[0]})") from None
+        self.path = path
+        config = special_tokens(path.parent)
+        self.bos_id, self.eos_id = (self.tok.token_to_id(config[k]) if config.get(k) else None
+                                    for k in ("bos_token", "eos_token"))
+        adds = self.tok.encode("", add_special_tokens=True).ids
+        self.post_adds_bos = bool(adds) and adds[0] == self.bos_id
+        self.add_bos = config.get("add_bos_token", self.post_adds_bos) and self.bos_id is not None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size()
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=bos and self.post_adds_bos).ids
+        if bos and self.add_bos and not self.post_adds_bos:
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+
+class SentencePieceTokenizer(Tokenizer):
     def __init__(self, path: str | Path) -> None:
         import sentencepiece as spm
 
@@ -19,7 +105,7 @@ class Tokenizer:
         except (OSError, RuntimeError) as e:
             raise CheckpointError(f"{path}: not a SentencePiece model ({str(e).splitlines()[0]})") from None
         self.path = path
-        self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
+        self.bos_id, self.eos_id = (i if i >= 0 else None for i in (self.sp.bos_id(), self.sp.eos_id()))
 
     @property
     def vocab_size(self) -> int:
@@ -27,15 +113,10 @@ class Tokenizer:
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
         ids = self.sp.encode(text)
-        return [self.bos_id, *ids] if bos and self.bos_id >= 0 else ids
+        return [self.bos_id, *ids] if bos and self.bos_id is not None else ids
 
     def decode(self, ids: list[int]) -> str:
         return self.sp.decode(ids)
-
-    def decode_continuation(self, prompt: list[int], new: list[int]) -> str:
-        """Text of `new` as it reads after `prompt`: SentencePiece drops a leading space at the start of a
-        decode, which would glue the first new word to the prompt's last one."""
-        return self.sp.decode(prompt + new)[len(self.sp.decode(prompt)):]
 
 
 def train_tokenizer(text_file: Path, vocab_size: int, out: Path) -> None:

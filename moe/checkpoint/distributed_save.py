@@ -29,6 +29,7 @@ from moe.checkpoint.writer import (
     write_file,
     write_index,
 )
+from moe.parallel.agreement import agreed
 from moe.parallel.distributed import DistContext
 from moe.progress import Progress
 
@@ -122,7 +123,7 @@ def shared_partial_dir(out_dir: Path, ctx: DistContext) -> Path:
             made = CheckpointError(f"{out_dir}: cannot create the output directory ({e.strerror or e})")
     made = ctx.broadcast_object(made, src=0)
     if isinstance(made, Exception):
-        raise made
+        raise agreed(made)
     return Path(made)
 
 
@@ -164,7 +165,7 @@ def save_distributed(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Pa
         maps = ctx.all_gather_object((weight_map, sum(sizes.values()), plan.dtype, failure))
         failures = [f for *_, f in maps if f]
         if failures:
-            raise CheckpointError(failures[0])
+            raise agreed(CheckpointError(failures[0]))
         if ctx.rank == 0:
             try:
                 write_index(tmp, {k: v for m, *_ in maps for k, v in m.items()}, sum(m[1] for m in maps))
@@ -173,7 +174,7 @@ def save_distributed(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Pa
                 failure = f"{out_dir}: cannot finish the checkpoint ({e.strerror or e})"
         failure = ctx.broadcast_object(failure, 0)
         if failure:
-            raise CheckpointError(failure)
+            raise agreed(CheckpointError(failure))
     except BaseException:
         if ctx.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)

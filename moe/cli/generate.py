@@ -48,9 +48,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt", action="append", default=[], help="prompt text; repeat for a batch")
     ap.add_argument("--prompt-file", help="file with one prompt per non-empty line; - reads standard input")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default)")
-    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0 = off)")
-    ap.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0 = off)")
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="sampling temperature; 0 is greedy (default: generation_config.json's, else 0)")
+    ap.add_argument("--top-p", type=float, default=None,
+                    help="nucleus sampling threshold (default: generation_config.json's, else 1.0 = off)")
+    ap.add_argument("--top-k", type=int, default=None,
+                    help="sample among the k most likely tokens (default: generation_config.json's, else 0 = off)")
     ap.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one, printed)")
     ap.add_argument("--blocks-per-rank", default=None,
                     help="comma-separated block counts per rank, e.g. 3,2,2,1 (default: balanced ranges)")
@@ -87,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def generate(args: argparse.Namespace) -> int:
     refuse_gpus_under_torchrun(args)
-    SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed or 0)  # before loading
+    given = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k))
+             if v is not None}
+    SamplingParams(args.max_new_tokens, **given, seed=args.seed or 0)  # checked before loading
     prompts = read_prompts(args)
     cfg = detect(args.ckpt).config
     torchrun = under_torchrun()
@@ -125,8 +130,13 @@ def run_and_print(model: MoEModel, args: argparse.Namespace, prompts: list[str],
     seed = args.seed if args.seed is not None else model.random_seed()  # drawn on one rank, shared
     say(f"model: {args.ckpt} ({model.info.format}), {cfg.n_layers} blocks, "
         f"{cfg.n_experts} experts top-{cfg.top_k}, dim {cfg.dim}; ranks: {model.info.ranks}")
-    say(f"settings: max_new_tokens={args.max_new_tokens} temperature={args.temperature} top_p={args.top_p} "
-        f"top_k={args.top_k} seed={seed} dtype={model.info.dtype} prompts={len(prompts)}")
+    sampling, from_file = model.generation_defaults.merged(temperature=args.temperature, top_p=args.top_p,
+                                                           top_k=args.top_k)
+    sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": 0} | sampling
+    shown = " ".join(f"{k}={v}" + ("*" if k in from_file else "") for k, v in sampling.items())
+    note = " (* from generation_config.json)" if from_file else ""
+    say(f"settings: max_new_tokens={args.max_new_tokens} {shown} seed={seed} dtype={model.info.dtype} "
+        f"prompts={len(prompts)}{note}")
     if args.expert_load:
         model.track_router_entropy()
     single = len(prompts) == 1

@@ -10,7 +10,7 @@ from models.config import ConfigError
 from moe.checkpoint.files import CheckpointError
 from moe.cli.common import run_command
 from moe.parallel.devices import DEVICES
-from moe.tokenizer import Tokenizer
+from moe.tokenizer import SentencePieceTokenizer
 from moe.training.steps import TrainSettings
 from moe.training.trainer import TrainJob, run_training
 
@@ -70,7 +70,7 @@ def job_from_args(args: argparse.Namespace) -> TrainJob:
         raise ConfigError(f"--dim {args.dim}, --heads {args.heads}, --kv-heads {args.kv_heads} do not divide")
     if args.batch_size % args.gpus:
         raise ValueError(f"--batch-size {args.batch_size} is not divisible by --gpus {args.gpus}")
-    vocab = Tokenizer(args.corpus / "tokenizer.model").vocab_size
+    vocab = SentencePieceTokenizer(args.corpus / "tokenizer.model").vocab_size
     return TrainJob(
         corpus=str(args.corpus), out=str(args.out), threads=args.threads, minutes=args.minutes, steps=args.steps,
         eval_every=args.eval_every, progress=not args.quiet, device=args.device,

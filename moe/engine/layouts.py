@@ -1,11 +1,15 @@
-"""Which engine runs a placement on N ranks, and whether its decode steps may run compiled."""
+"""Which engine runs a placement on N ranks, whether its decode steps may run compiled, and the checks of the
+layout options `from_pretrained` takes."""
 
 from __future__ import annotations
 
+from models.kernels.choice import KERNELS
 from moe.engine.pipeline import PipelineEngine, pipeline_refusal
 from moe.engine.replicated import ReplicatedAttentionEngine
 from moe.engine.sharded import ShardedEngine
+from moe.parallel.gather import EXCHANGES
 from moe.parallel.placement import Placement
+from moe.parallel.strategies import ATTENTION_STRATEGIES, EXPERT_STRATEGIES
 
 
 def engine_type(plan: Placement) -> type[ShardedEngine]:
@@ -37,3 +41,27 @@ def compilable_plan(plan: Placement, compile: bool, exchange: str) -> Placement:
     if why is not None:
         raise ValueError(f"compile=True on N ranks needs {why}")
     return plan
+
+
+def check_options(gpus: int, cpu_kernels: str, attention: str, experts: str, exchange: str, compile: bool,
+                  threads: int | None = None) -> None:
+    """`from_pretrained`'s choices, each refused in one line before anything is loaded or started."""
+    if not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus must be a positive integer, got {gpus!r}")
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be a positive integer, got {threads!r}")
+    if cpu_kernels not in KERNELS:
+        raise ValueError(f"cpu_kernels={cpu_kernels!r}: use one of {', '.join(KERNELS)}")
+    if attention not in ATTENTION_STRATEGIES:
+        raise ValueError(f"attention={attention!r}: use one of {', '.join(ATTENTION_STRATEGIES)}")
+    if experts not in EXPERT_STRATEGIES:
+        raise ValueError(f"experts={experts!r}: use one of {', '.join(EXPERT_STRATEGIES)}")
+    if experts == "layer" and attention != "layer":
+        raise ValueError(f"experts='layer' (each block's experts on its owner) needs attention='layer', "
+                         f"got {attention!r}")
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange={exchange!r}: use one of {', '.join(EXCHANGES)}")
+    if compile not in (True, False):
+        raise ValueError(f"compile must be True or False, got {compile!r}")
+    if compile and cpu_kernels == "onednn":
+        raise ValueError("compile=True cannot trace oneDNN-packed weights: use cpu_kernels='auto' or 'torch'")

@@ -49,7 +49,7 @@ class LocalEngine:
         return decided  # one rank: it decided everything itself
 
     # -- the Engine interface ----------------------------------------------------------------------
-    def generate(self, ids: list[list[int]], params: SamplingParams, eos: int | None, context: int,
+    def generate(self, ids: list[list[int]], params: SamplingParams, eos: tuple[int, ...], context: int,
                  on_token: Callable[[int, int], None] | None = None,
                  should_stop: Callable[[], bool] | None = None) -> GenerationResult:
         return generate_tokens(self, ids, params, eos, context, on_token, should_stop)

@@ -222,7 +222,7 @@ class ShardedEngine:
         check_routing_agrees(gathered, alike)
 
     # -- the Engine interface ----------------------------------------------------------------------
-    def generate(self, ids: list[list[int]], params: SamplingParams, eos: int | None, context: int,
+    def generate(self, ids: list[list[int]], params: SamplingParams, eos: tuple[int, ...], context: int,
                  on_token: Callable[[int, int], None] | None = None,
                  should_stop: Callable[[], bool] | None = None) -> GenerationResult:
         alike = self.routes_alike(len(ids))

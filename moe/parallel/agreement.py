@@ -16,6 +16,14 @@ class RoutingDiverged(RuntimeError):
     """Ranks that route the same tokens chose different experts: their kernels or inputs differ."""
 
 
+def agreed(error: Exception) -> Exception:
+    """Mark a user error that every rank raises at the same point, after a collective told each of them (a save
+    whose directory rank 0 could not make): the ranks are in step, so the model stays usable
+    (`moe.workers.rank.serve`), where any other error after a collective ends it."""
+    error.agreed_by_all_ranks = True
+    return error
+
+
 def check_reports_agree(reports: list[dict], key: str = "kernel_settings") -> None:
     """Every rank's `key` equals rank 0's, or one line that names the first rank and setting that differ."""
     first = reports[0].get(key)

@@ -22,7 +22,7 @@ from moe.parallel.devices import resolve_device
 from moe.parallel.distributed import DistContext, single_process
 from moe.parallel.placement import Placement
 from moe.progress import Progress
-from moe.tokenizer import Tokenizer
+from moe.tokenizer import SentencePieceTokenizer
 from moe.training.corpus import read_documents
 from moe.training.steps import (
     TrainSettings,
@@ -89,7 +89,7 @@ class TrainData:
 
 def load_data(job: TrainJob) -> TrainData:
     corpus = Path(job.corpus)
-    tokenizer = Tokenizer(corpus / "tokenizer.model")
+    tokenizer = SentencePieceTokenizer(corpus / "tokenizer.model")
     train_docs, valid_docs = read_documents(corpus / "train.txt"), read_documents(corpus / "valid.txt")
     valid_stream = token_stream(valid_docs, tokenizer)
     all_windows = windows(valid_stream, job.settings.seq_len)

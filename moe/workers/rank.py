@@ -199,7 +199,8 @@ def serve(engine: ShardedEngine, conn) -> None:
                                                                                           streams))
         except USER_ERRORS as e:
             line = str(e).splitlines()[0] if str(e) else ""
-            if engine.dist.collectives != entered:  # the others may wait in a collective this rank will not enter
+            if engine.dist.collectives != entered and not getattr(e, "agreed_by_all_ranks", False):
+                # the other ranks may be waiting in a collective this rank will not enter
                 raise RuntimeError(f"{type(e).__name__} after the call's first collective: {line}") from e
             conn.send(("error", req, "user", type(e).__name__, line, ""))
             continue

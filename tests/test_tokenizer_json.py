@@ -1,0 +1,101 @@
+"""A checkpoint that ships only `tokenizer.json` (as Qwen, OLMoE, granite and gpt-oss do): ids and text are the
+`tokenizers` library's (and transformers' fast tokenizer's), BOS as `tokenizer_config.json` says, streaming never
+splits a UTF-8 character, and every EOS of generation_config.json stops a sequence."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moe import MoEModel
+from moe.tokenizer import HFTokenizer, IncrementalDecoder
+from tests.checkpoints import tiny_config, write_checkpoint
+
+TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want "
+        "of a wife. Café, naïve, 東京, 😀! ") * 20
+
+
+def byte_level_bpe(directory, bos: bool):
+    """A byte-level BPE tokenizer.json trained here, with <s> and </s>, as Qwen-style checkpoints ship them."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT], trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                                 "add_bos_token": bos}))
+    return tok
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["bos", "no-bos"])
+def ckpt(request, tmp_path_factory):
+    path = write_checkpoint(tmp_path_factory.mktemp("tokjson") / "ckpt", tiny_config(vocab_size=300))
+    return path, byte_level_bpe(path, request.param), request.param
+
+
+def test_ids_and_text_are_the_tokenizers_librarys(ckpt):
+    path, tok, bos = ckpt
+    model = MoEModel.from_pretrained(path)
+    assert isinstance(model.tokenizer, HFTokenizer)
+    for text in ("And God said", TEXT[:200], " leading space", "東京😀"):
+        assert model.tokenizer.encode(text) == tok.encode(text).ids
+        assert model.tokenizer.decode(tok.encode(text, add_special_tokens=False).ids) == text
+    assert (model.tokenizer.encode("x")[0] == 1) == bos
+
+
+def test_transformers_fast_tokenizer_gives_the_same_ids(ckpt):
+    transformers = pytest.importorskip("transformers")
+    path, _, _ = ckpt
+    theirs = transformers.AutoTokenizer.from_pretrained(path)
+    ours = MoEModel.from_pretrained(path).tokenizer
+    for text in ("And God said", TEXT[:300]):
+        assert ours.encode(text) == theirs(text)["input_ids"]
+
+
+def test_a_tokenizer_json_checkpoint_generates_and_streams_whole_characters(ckpt):
+    path, _, _ = ckpt
+    model = MoEModel.from_pretrained(path)
+    pieces: list[str] = []
+    out = model.generate(["Café 東京"], max_new_tokens=24, ignore_eos=True, streamer=lambda b, p: pieces.append(p))
+    # Random weights write bytes that need not form UTF-8: the stream still adds up to the text, and only an
+    # unfinished character at the very end may wait for bytes that never come.
+    assert "".join(pieces) == out[0].rstrip("\ufffd")
+
+
+def test_a_character_split_over_tokens_streams_whole(ckpt):
+    path, tok, _ = ckpt
+    model = MoEModel.from_pretrained(path)
+    byte_tokens = [tok.token_to_id(c) for c in "ðŁĺĢ"]  # the four bytes of 😀 as ByteLevel's characters
+    decoder = IncrementalDecoder(model.tokenizer, model.tokenizer.encode("x"))
+    got = [decoder.push(t) for t in byte_tokens]
+    assert got == ["", "", "", "😀"]
+
+
+def test_every_eos_of_generation_config_stops(tmp_path):
+    path = write_checkpoint(tmp_path / "ckpt", tiny_config())
+    with MoEModel.from_pretrained(path) as model:
+        free = model.generate([[1, 5, 9]], max_new_tokens=12, ignore_eos=True)[0]
+    stop = free[3]  # the fourth greedy token, made an end-of-sequence token
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, stop]}))
+    with MoEModel.from_pretrained(path) as model:
+        assert stop in model.eos_ids and 2 in model.eos_ids
+        assert model.generate([[1, 5, 9]], max_new_tokens=12)[0] == free[:free.index(stop)]
+
+
+def test_sampling_defaults_of_generation_config_apply_where_none_is_given(tmp_path):
+    path = write_checkpoint(tmp_path / "ckpt", tiny_config())
+    (path / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.7, "top_k": 5}))
+    with MoEModel.from_pretrained(path) as model:
+        sampled = model.generate([[1, 5, 9]], max_new_tokens=8, seed=3)
+        assert model.last_defaults == ["temperature", "top_k"]
+        assert sampled == model.generate([[1, 5, 9]], max_new_tokens=8, seed=3, temperature=0.7, top_k=5)
+        greedy = model.generate([[1, 5, 9]], max_new_tokens=8, temperature=0)
+        assert model.last_defaults == ["top_k"]
+        assert greedy == model.generate([[1, 5, 9]], max_new_tokens=8, temperature=0, top_k=1)
