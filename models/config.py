@@ -54,6 +54,8 @@ class ModelConfig:
     residual_multiplier: float = 1.0  # each branch's output, before it is added to the residual stream
     attention_scale: float | None = None  # the softmax's scale (None: 1/sqrt(head_dim))
     logits_scaling: float = 1.0  # logits divided by it
+    shared_hidden_dim: int | None = None  # a shared expert of this width beside the routed ones (Qwen2-MoE)
+    shared_gate: bool = False  # its output scaled by sigmoid(shared_expert_gate(x))
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "vocab_size",

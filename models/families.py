@@ -13,8 +13,9 @@ from typing import Any
 # model_type -> the architectures names that say it, for configs without a model_type
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-                 "granitemoe": "GraniteMoeForCausalLM", "phimoe": "PhimoeForCausalLM"}
-NOT_YET = {"qwen2_moe": "shared experts", "deepseek_v2": "multi-head latent attention",
+                 "granitemoe": "GraniteMoeForCausalLM", "phimoe": "PhimoeForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM"}
+NOT_YET = {"deepseek_v2": "multi-head latent attention",
            "deepseek_v3": "multi-head latent attention", "gpt_oss": "attention sinks and MXFP4 experts"}
 
 
@@ -44,7 +45,7 @@ def knobs(cfg: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"family": family}
     if cfg.get("attention_bias"):
         out |= {"qkv_bias": True, "o_bias": True}
-    if family in ("qwen3_moe", "olmoe"):
+    if family in ("qwen3_moe", "olmoe", "qwen2_moe"):
         out |= _qwen_like(cfg, family)
     elif family == "granitemoe":
         out |= {"embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
@@ -67,7 +68,10 @@ def _qwen_like(cfg: dict[str, Any], family: str) -> dict[str, Any]:
                           "which this version does not run")
     out = {"router": "softmax", "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
            "qk_norm": "head" if family == "qwen3_moe" else "projection"}
-    if family == "qwen3_moe":
+    if family == "qwen2_moe":  # a shared expert beside the routed ones, scaled by sigmoid(shared_expert_gate(x))
+        out |= {"qk_norm": "", "qkv_bias": bool(cfg.get("qkv_bias", True)),
+                "shared_hidden_dim": cfg.get("shared_expert_intermediate_size", 0) or None, "shared_gate": True}
+    if family in ("qwen3_moe", "qwen2_moe"):
         out["hidden_dim"] = cfg.get("moe_intermediate_size", cfg.get("intermediate_size"))
         if cfg.get("use_sliding_window") and cfg.get("max_window_layers", 0) < cfg.get("num_hidden_layers", 0):
             raise FamilyError("config.json slides the window over only some layers (max_window_layers), which this "
@@ -84,7 +88,7 @@ def _is_dense(cfg: dict[str, Any], layer: int) -> bool:
 
 def sliding_window(cfg: dict[str, Any]) -> int | None:
     """The window every layer slides (Qwen's configs carry one that applies only with `use_sliding_window`)."""
-    if family_of(cfg) == "qwen3_moe" and not cfg.get("use_sliding_window", False):
+    if family_of(cfg) in ("qwen3_moe", "qwen2_moe") and not cfg.get("use_sliding_window", False):
         return None
     return cfg.get("sliding_window")
 
@@ -102,11 +106,13 @@ def hf_fields(cfg) -> dict[str, Any]:
         return {}
     out: dict[str, Any] = {"model_type": family, "architectures": [ARCHITECTURES[family]],
                            "attention_bias": cfg.qkv_bias}
-    if family in ("qwen3_moe", "olmoe"):
+    if family in ("qwen3_moe", "olmoe", "qwen2_moe"):
         out |= {"num_experts": cfg.n_experts, "norm_topk_prob": cfg.norm_topk_prob, "clip_qkv": cfg.clip_qkv,
                 "use_sliding_window": cfg.sliding_window is not None, "decoder_sparse_step": 1, "mlp_only_layers": []}
-        if family == "qwen3_moe":
+        if family in ("qwen3_moe", "qwen2_moe"):
             out["moe_intermediate_size"] = cfg.hidden_dim
+        if family == "qwen2_moe":
+            out |= {"qkv_bias": cfg.qkv_bias, "shared_expert_intermediate_size": cfg.shared_hidden_dim or 0}
     elif family == "granitemoe":
         out |= {"embedding_multiplier": cfg.embedding_multiplier, "residual_multiplier": cfg.residual_multiplier,
                 "attention_multiplier": cfg.attention_scale, "logits_scaling": cfg.logits_scaling}

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models import weights
+from models.basic import Linear
 from models.config import ModelConfig
 from models.kernels import choice as kc
 from models.kernels import native
@@ -205,6 +206,17 @@ class GroupedExperts(nn.Module):
                 destination[prefix + name] = self.dense(name)
 
 
+class DenseMLP(nn.Module):
+    """w2(silu(w1 x) * w3 x) with plain linear layers: a shared expert, or a dense layer's feed-forward."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1, self.w2, self.w3 = Linear(dim, hidden_dim), Linear(hidden_dim, dim), Linear(dim, hidden_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
 def routing_checksum(ids_TK: torch.Tensor) -> torch.Tensor:
     """A number that changes when any token's choice of experts does: each chosen id weighted by its place."""
     flat = ids_TK.reshape(-1)
@@ -355,6 +367,10 @@ class MoEFeedForward(nn.Module):
         # compare once per request (`moe.parallel.agreement`): a few elementwise ops per block and step, on device.
         self.register_buffer("route_check", torch.zeros((), dtype=torch.long), persistent=False)
         self.checks_routing = False
+        # A shared expert (Qwen2-MoE): a dense branch every token takes, beside the routed experts, run where the
+        # router runs (the block's attention ranks), never through the exchange; optionally gated per token.
+        self.shared = DenseMLP(cfg.dim, cfg.shared_hidden_dim) if cfg.shared_hidden_dim else None
+        self.shared_gate = Linear(cfg.dim, 1) if cfg.shared_hidden_dim and cfg.shared_gate else None
 
     def forward(self, x_TD: torch.Tensor, decoding: bool = False) -> torch.Tensor:
         weights_TK, ids_TK = self.gate(x_TD, self.counts_load)
@@ -362,7 +378,13 @@ class MoEFeedForward(nn.Module):
             self.route_check.add_(routing_checksum(ids_TK))
         if self.counts_load:
             self.load_counts[int(decoding)] += count_per_id(ids_TK.reshape(-1), self.n_experts)  # on device, no sync
-        return self.run_experts(x_TD, weights_TK, ids_TK)
+        out_TD = self.run_experts(x_TD, weights_TK, ids_TK)
+        if self.shared is not None:
+            shared_TD = self.shared(x_TD)
+            if self.shared_gate is not None:
+                shared_TD = torch.sigmoid(self.shared_gate(x_TD)) * shared_TD
+            out_TD = out_TD + shared_TD
+        return out_TD
 
     def run_experts(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
         """The routed tokens through their experts, wherever those live. A rank with no tokens of its own

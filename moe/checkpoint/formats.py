@@ -90,7 +90,7 @@ _GRANITE_FFN = {
 
 def _fused_ffn(family: str) -> dict[str, str]:
     """transformers 5's fused expert tensors, as it names them in memory for each family."""
-    granite = family == "granitemoe"
+    granite = family == "granitemoe"  # (Qwen2-MoE's shared expert keeps its names)
     at = f"model.layers.{{i}}.{'block_sparse_moe' if granite else 'mlp'}"
     return {"layers.{i}.feed_forward.gate.weight": f"{at}.{'router' if granite else 'gate'}.weight",
             "layers.{i}.feed_forward.experts.w1": f"{at}.experts.gate_up_proj#{{e}}:0/2",
@@ -103,8 +103,13 @@ def name_map(fmt: str, cfg: ModelConfig) -> dict[str, str]:
     names = dict(NAME_MAPS[(HF if fmt == HF_FUSED else fmt, cfg.is_moe)])
     if fmt == MISTRAL:
         return names
-    if cfg.family in ("qwen3_moe", "olmoe"):
+    if cfg.family in ("qwen3_moe", "olmoe", "qwen2_moe"):
         names |= _QWEN_FFN
+    if cfg.shared_hidden_dim:
+        names |= {f"layers.{{i}}.feed_forward.shared.{ours}.weight": f"model.layers.{{i}}.mlp.shared_expert.{hf}.weight"
+                  for ours, hf in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))}
+        if cfg.shared_gate:
+            names["layers.{i}.feed_forward.shared_gate.weight"] = "model.layers.{i}.mlp.shared_expert_gate.weight"
     if cfg.family == "granitemoe" and cfg.is_moe:
         names |= _GRANITE_FFN
     if fmt == HF_FUSED and cfg.is_moe:

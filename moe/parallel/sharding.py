@@ -45,6 +45,7 @@ def apply_placement(model: Transformer, placement: Placement, rank: int) -> None
         group = s.expert_groups[0] if s.local_tensor_experts else ()
         if not (rank in group or rank == s.leader or s.attention == "replicated"):
             block.ffn_norm = block.feed_forward.gate = None
+            block.feed_forward.shared = block.feed_forward.shared_gate = None
         block.feed_forward.counts_load = rank == (group[0] if group else s.leader) or s.attention == "replicated"
     apply_expert_placement(model, placement, rank)
 
