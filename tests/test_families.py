@@ -23,8 +23,8 @@ FAMILIES = {
                                dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
                                     norm_topk_prob=False, attention_bias=True)),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, shared_expert_intermediate_size=56,
-                       norm_topk_prob=False)),
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
+                       shared_expert_intermediate_size=56, norm_topk_prob=False)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
               dict(num_experts=6, num_experts_per_tok=3, clip_qkv=0.9, norm_topk_prob=False)),
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
@@ -135,8 +135,8 @@ def test_families_and_fields_not_run_are_refused_in_one_line(tmp_path):
     base = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=96, vocab_size=128)
     cases = [
         (dict(model_type="bert"), "model_type 'bert' is not supported; supported: mixtral, mistral, llama, qwen3_moe"),
-        (dict(model_type="deepseek_v3"), "model_type 'deepseek_v3' needs multi-head latent attention, which this version "
-                                         "does not run"),
+        (dict(model_type="deepseek_v3"), "model_type 'deepseek_v3' needs multi-head latent attention, which this "
+                                         "version does not run"),
         (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
         (dict(model_type="qwen3_moe", num_experts=4, mlp_only_layers=[1]), "makes layers [1] dense"),
         (dict(model_type="qwen3_moe", num_experts=4, decoder_sparse_step=2), "makes layers [0] dense"),
