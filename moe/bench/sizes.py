@@ -15,6 +15,11 @@ SIZES = {
                          vocab_size=8000, n_experts=8, top_k=2, max_seq_len=4096),
     "medium": ModelConfig(dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, head_dim=64, hidden_dim=3584,
                           vocab_size=32000, n_experts=8, top_k=2, max_seq_len=4096),
+    # Qwen3-30B-A3B's shape scaled to this machine: many small experts (64 of width 192, top-8; the real model has
+    # 128 of 768 at dim 2048), q twice as wide as the hidden size, per-head QK norms, renormalised softmax routing.
+    "qwen3-moe": ModelConfig(dim=512, n_layers=8, n_heads=16, n_kv_heads=2, head_dim=64, hidden_dim=192,
+                             vocab_size=8000, n_experts=64, top_k=8, max_seq_len=4096, rope_theta=1e6,
+                             family="qwen3_moe", router="softmax", norm_topk_prob=True, qk_norm="head"),
 }
 
 
