@@ -56,6 +56,8 @@ class ModelConfig:
     logits_scaling: float = 1.0  # logits divided by it
     shared_hidden_dim: int | None = None  # a shared expert of this width beside the routed ones (Qwen2-MoE)
     shared_gate: bool = False  # its output scaled by sigmoid(shared_expert_gate(x))
+    dense_layers: tuple[int, ...] = ()  # blocks whose feed-forward is one dense MLP, no experts (Qwen2/3-MoE)
+    dense_hidden_dim: int | None = None  # its width (`intermediate_size`)
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "vocab_size",

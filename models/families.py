@@ -62,12 +62,11 @@ def knobs(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _qwen_like(cfg: dict[str, Any], family: str) -> dict[str, Any]:
     """Qwen3-MoE and OLMoE: softmax over every expert, top-k of the probabilities, renormalised if asked."""
-    dense = [i for i in range(cfg.get("num_hidden_layers", 0)) if _is_dense(cfg, i)]
-    if dense:
-        raise FamilyError(f"config.json makes layers {dense[:4]} dense (mlp_only_layers / decoder_sparse_step), "
-                          "which this version does not run")
+    dense = tuple(i for i in range(cfg.get("num_hidden_layers", 0)) if _is_dense(cfg, i))
     out = {"router": "softmax", "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
            "qk_norm": "head" if family == "qwen3_moe" else "projection"}
+    if dense and family != "olmoe":  # mlp_only_layers / decoder_sparse_step: dense MLPs of intermediate_size
+        out |= {"dense_layers": dense, "dense_hidden_dim": cfg["intermediate_size"]}
     if family == "qwen2_moe":  # a shared expert beside the routed ones, scaled by sigmoid(shared_expert_gate(x))
         out |= {"qk_norm": "", "qkv_bias": bool(cfg.get("qkv_bias", True)),
                 "shared_hidden_dim": cfg.get("shared_expert_intermediate_size", 0) or None, "shared_gate": True}
@@ -113,6 +112,8 @@ def hf_fields(cfg) -> dict[str, Any]:
             out["moe_intermediate_size"] = cfg.hidden_dim
         if family == "qwen2_moe":
             out |= {"qkv_bias": cfg.qkv_bias, "shared_expert_intermediate_size": cfg.shared_hidden_dim or 0}
+        if cfg.dense_layers:
+            out |= {"mlp_only_layers": list(cfg.dense_layers), "intermediate_size": cfg.dense_hidden_dim}
     elif family == "granitemoe":
         out |= {"embedding_multiplier": cfg.embedding_multiplier, "residual_multiplier": cfg.residual_multiplier,
                 "attention_multiplier": cfg.attention_scale, "logits_scaling": cfg.logits_scaling}

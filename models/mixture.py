@@ -346,11 +346,15 @@ class MoEFeedForward(nn.Module):
     """router -> dispatcher.dispatch -> experts -> dispatcher.combine. Expert parallelism swaps the
     dispatcher (`moe.parallel.dispatch`) and slices the experts; the router never changes."""
 
-    def __init__(self, cfg: ModelConfig, expert_ids: list[int] | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, expert_ids: list[int] | None = None, dense: bool = False) -> None:
+        """`dense`: a dense layer among MoE ones (`ModelConfig.dense_layers`): no router and no routed experts, its
+        MLP where a shared expert would be (`shared`), run where the block's tokens are, never exchanged."""
         super().__init__()
-        self.n_experts = cfg.n_experts
-        self.gate = Router(cfg.dim, cfg.n_experts, cfg.top_k, cfg.router, cfg.norm_topk_prob, cfg.router_jitter)
-        self.experts = GroupedExperts(cfg.dim, cfg.hidden_dim, expert_ids or list(range(cfg.n_experts)))
+        self.n_experts, self.dense = cfg.n_experts, dense
+        self.gate = None if dense else Router(cfg.dim, cfg.n_experts, cfg.top_k, cfg.router, cfg.norm_topk_prob,
+                                              cfg.router_jitter)
+        ids = [] if dense else expert_ids or list(range(cfg.n_experts))
+        self.experts = GroupedExperts(cfg.dim, cfg.hidden_dim, ids)
         self.dispatcher = LocalDispatcher(cfg.n_experts)
         # Token copies routed to each expert: row 0 prefill, row 1 decode. Counted on device, read on demand.
         self.register_buffer("load_counts", torch.zeros(2, cfg.n_experts, dtype=torch.long), persistent=False)
@@ -369,10 +373,13 @@ class MoEFeedForward(nn.Module):
         self.checks_routing = False
         # A shared expert (Qwen2-MoE): a dense branch every token takes, beside the routed experts, run where the
         # router runs (the block's attention ranks), never through the exchange; optionally gated per token.
-        self.shared = DenseMLP(cfg.dim, cfg.shared_hidden_dim) if cfg.shared_hidden_dim else None
-        self.shared_gate = Linear(cfg.dim, 1) if cfg.shared_hidden_dim and cfg.shared_gate else None
+        width = (cfg.dense_hidden_dim or cfg.hidden_dim) if dense else cfg.shared_hidden_dim
+        self.shared = DenseMLP(cfg.dim, width) if width else None
+        self.shared_gate = Linear(cfg.dim, 1) if cfg.shared_hidden_dim and cfg.shared_gate and not dense else None
 
     def forward(self, x_TD: torch.Tensor, decoding: bool = False) -> torch.Tensor:
+        if self.dense:
+            return self.shared(x_TD)
         weights_TK, ids_TK = self.gate(x_TD, self.counts_load)
         if self.checks_routing:
             self.route_check.add_(routing_checksum(ids_TK))

@@ -16,12 +16,12 @@ from models.mixture import MoEFeedForward
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.attention_norm = make_norm(cfg, cfg.dim)
         self.attention = Attention(cfg)
         self.ffn_norm = make_norm(cfg, cfg.dim)
-        self.feed_forward = MoEFeedForward(cfg)
+        self.feed_forward = MoEFeedForward(cfg, dense=index in cfg.dense_layers)
         self.residual = cfg.residual_multiplier  # GraniteMoE scales each branch before adding it
 
     def attend(self, h_BSD: torch.Tensor, ctx: AttentionContext, cache: KVCache | None) -> torch.Tensor:
@@ -56,7 +56,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = make_norm(cfg, cfg.dim)
         self.output = Linear(cfg.dim, cfg.vocab_size, cfg.head_bias)
         self.rotary = RotaryTable(cfg)

@@ -98,6 +98,16 @@ def _fused_ffn(family: str) -> dict[str, str]:
             "layers.{i}.feed_forward.experts.w2": f"{at}.experts.down_proj#{{e}}"}
 
 
+_DENSE_MLP = {f"layers.{{i}}.feed_forward.shared.{ours}.weight": f"model.layers.{{i}}.mlp.{hf}.weight"
+              for ours, hf in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))}
+
+
+def dense_layer(cfg: ModelConfig, name: str) -> bool:
+    """`name` is a parameter of a dense layer among MoE ones."""
+    m = _LAYER.match(name)
+    return m is not None and int(m.group(1)) in cfg.dense_layers
+
+
 def name_map(fmt: str, cfg: ModelConfig) -> dict[str, str]:
     """Our parameter names (templates) -> the format's tensor names, for this config's family and knobs."""
     names = dict(NAME_MAPS[(HF if fmt == HF_FUSED else fmt, cfg.is_moe)])
@@ -141,13 +151,18 @@ def external_name(fmt: str, cfg: ModelConfig, name: str, expert: int | None = No
     template = _LAYER.sub("layers.{i}.", name) if m else name
     if cfg.tie_embeddings and template == "output.weight":
         template = "tok_embeddings.weight"
-    out = name_map(fmt, cfg)[template]
+    names = name_map(fmt, cfg)
+    if m and int(m.group(1)) in cfg.dense_layers:  # a dense layer's MLP, under the Hub's dense names
+        names = names | _DENSE_MLP
+    out = names[template]
     return out.format(i=m.group(1) if m else "", e=expert)
 
 
 def all_external_names(fmt: str, cfg: ModelConfig, names: list[str]) -> set[str]:
     out = set()
     for name in names:
+        if is_stacked_expert(name) and dense_layer(cfg, name):
+            continue  # a dense layer holds no routed experts
         experts = range(cfg.n_experts) if is_stacked_expert(name) else [None]
         out.update(external_name(fmt, cfg, name, e) for e in experts)
     return out

@@ -22,6 +22,7 @@ from moe.checkpoint.files import CheckpointError, TensorInfo, index_tensors
 from moe.checkpoint.formats import (
     CheckpointFormat,
     all_external_names,
+    dense_layer,
     expand_stacked,
     external_name,
     is_stacked_expert,
@@ -71,6 +72,8 @@ def check_names_and_shapes(ckpt: CheckpointFormat, full_shapes: dict[str, torch.
                               + (" ..." if len(unexpected) > 4 else ""))
     for name, shape in full_shapes.items():
         stacked = is_stacked_expert(name)
+        if stacked and dense_layer(ckpt.config, name):
+            continue
         want = tuple(shape[1:]) if stacked else tuple(shape)
         for e in range(ckpt.config.n_experts) if stacked else [None]:
             ext = external_name(ckpt.fmt, ckpt.config, name, e)

@@ -47,7 +47,7 @@ class ReplicatedAttentionEngine(ShardedEngine):
     def _routes_alike(self) -> bool:
         """Every rank would send a copy to the same slot: no expert has replicas, whose round-robin state each rank
         keeps for its own rows (experts split by `tensor` have a slot per slice, and every copy goes to each)."""
-        dispatchers = [b.feed_forward.dispatcher for b in self.model.layers.values()]
+        dispatchers = [b.feed_forward.dispatcher for b in self.model.layers.values() if not b.feed_forward.dense]
         return all(isinstance(d, ExchangeDispatcher) and not d.table.replicated for d in dispatchers)
 
     def redundant(self, batch: int) -> bool:
@@ -97,7 +97,8 @@ class ReplicatedAttentionEngine(ShardedEngine):
         else:
             local = None
             for block in self.model.layers.values():
-                block.feed_forward.run_experts(*self.no_rows)
+                if not block.feed_forward.dense:
+                    block.feed_forward.run_experts(*self.no_rows)
         return self._gather(local, B, 1 if last_only else S)
 
     def close(self) -> None:

@@ -165,7 +165,7 @@ class ShardedEngine:
                 h, split = h if split else self._split(h, holders, shape), True
                 if h.shape[0]:
                     h = block.feed(block.attend(h, mine[0], cache), start > 0, mine[1])
-                else:  # no sequence here: still take part in the block's exchanges
+                elif not block.feed_forward.dense:  # no sequence here: still take part in the block's exchanges
                     block.feed_forward.run_experts(*self.no_rows)
                 continue
             if split:
@@ -181,7 +181,7 @@ class ShardedEngine:
             holders = experts_at
             if self.rank in holders:
                 h = block.feed(h, start > 0, rows)
-            elif s.needs_exchange:  # still take part in this block's exchanges, with no rows of our own
+            elif s.needs_exchange and not block.feed_forward.dense:  # its exchanges, with no rows of our own
                 block.feed_forward.run_experts(*self.no_rows)
         h = self._join(h, (p.head_rank,), shape) if split else self._move(h, holders, (p.head_rank,), shape)
         if self.rank != self.head_rank:

@@ -56,6 +56,8 @@ def apply_expert_placement(model: Transformer, placement: Placement, rank: int,
     cfg = model.cfg
     for name, block in model.layers.items():
         i = int(name)
+        if block.feed_forward.dense:
+            continue  # no routed experts: its MLP runs where the block's tokens are
         held = placement.local_experts(i, rank)
         s = placement.strategy(i)
         group = next((g for g in s.expert_groups if rank in g), None)
@@ -80,7 +82,7 @@ def connect_ranks(model: Transformer, placement: Placement, dist: DistContext, s
         if s.attention == "tensor" and dist.rank in s.attention_ranks:
             reduce_attention_output(model, name, s.attention_ranks, dist)
         block.feed_forward.counts_received = True
-        if s.experts == "layer":  # the owner runs them all where the block's hidden states are, as one rank does
+        if s.experts == "layer" or block.feed_forward.dense:  # the experts (or a dense MLP) where the tokens are
             continue
         if s.local_tensor_experts:
             block.feed_forward.dispatcher = TensorDispatcher(model.cfg.n_experts, s.expert_groups[0], dist)
