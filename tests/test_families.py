@@ -61,7 +61,8 @@ def test_logits_and_greedy_tokens_match_transformers(family):
     name, hf, path = family
     model = MoEModel.from_pretrained(path)
     assert model.config.family == name.split("-")[0]
-    dense = [i for i, layer in enumerate(hf.model.layers) if not hasattr(layer.mlp, "experts")]
+    dense = [i for i, layer in enumerate(hf.model.layers) if not hasattr(getattr(layer, "mlp", None)
+                                                                         or layer.block_sparse_moe, "experts")]
     assert list(model.config.dense_layers) == dense  # transformers' dense layers are ours
     ids = torch.randint(3, 128, (2, 17), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
