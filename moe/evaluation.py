@@ -21,10 +21,10 @@ from moe.tokenizer import Tokenizer
 
 def token_stream(docs: list[str], tokenizer: Tokenizer) -> torch.Tensor:
     ids: list[int] = []
-    for doc in docs:
-        ids.append(tokenizer.bos_id)
+    for doc in docs:  # each document between the tokenizer's BOS and EOS, where it has them
+        ids.extend(t for t in [tokenizer.bos_id] if t is not None)
         ids.extend(tokenizer.encode(doc, bos=False))
-        ids.append(tokenizer.eos_id)
+        ids.extend(t for t in [tokenizer.eos_id] if t is not None)
     return torch.tensor(ids, dtype=torch.int32)
 
 

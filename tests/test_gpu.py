@@ -156,7 +156,7 @@ def test_decode_step_host_syncs_as_cuda_counts_them(on_gpu):
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                generate_tokens(on_gpu.engine, prompts, SamplingParams(n, 0.0, 1.0, 0, 0), None, 10**6)
+                generate_tokens(on_gpu.engine, prompts, SamplingParams(n, 0.0, 1.0, 0, 0), (), 10**6)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         counts.append(sum("synchroniz" in str(w.message) for w in caught))

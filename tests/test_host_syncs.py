@@ -24,7 +24,7 @@ def syncs_per_decode_step(engine, steps=(4, 12)) -> float:
     totals = []
     for n in steps:
         with HostSyncCounter() as counter:
-            generate_tokens(engine, PROMPTS, SamplingParams(n, 0.0, 1.0, 0, 0), None, 10**6)
+            generate_tokens(engine, PROMPTS, SamplingParams(n, 0.0, 1.0, 0, 0), (), 10**6)
         totals.append(counter.total)
     return (totals[1] - totals[0]) / (steps[1] - steps[0])
 

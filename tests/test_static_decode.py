@@ -85,7 +85,7 @@ def _decode_on_rank(rank: int, world_size: int, port: int, out: str) -> None:
     runs = []
     for n in (4, 12):
         with HostSyncCounter() as syncs:
-            result = generate_tokens(engine, PROMPTS, SamplingParams(n, 0.0, 1.0, 0, 0), None, 10**6)
+            result = generate_tokens(engine, PROMPTS, SamplingParams(n, 0.0, 1.0, 0, 0), (), 10**6)
         runs.append(syncs.total)
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump({"syncs_per_step": (runs[1] - runs[0]) / 8, "tokens": result.tokens}, f)

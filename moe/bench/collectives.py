@@ -121,7 +121,7 @@ def _count_on_rank(rank: int, world_size: int, port: int, path: str, dtype: str,
     runs = []
     for n in (4, 12):
         with CollectiveCounter() as calls, HostSyncCounter() as syncs:
-            generate_tokens(engine, DECODE_PROMPTS[:sequences], SamplingParams(n, 0.0, 1.0, 0, 0), None, 10**6)
+            generate_tokens(engine, DECODE_PROMPTS[:sequences], SamplingParams(n, 0.0, 1.0, 0, 0), (), 10**6)
         runs.append((calls.by_call, syncs.total, calls.bytes_sent))
     (calls4, syncs4, sent4), (calls12, syncs12, sent12) = runs
     result = {"calls": {name: (calls12[name] - calls4[name]) / 8 for name in calls12},

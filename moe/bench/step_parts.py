@@ -44,7 +44,7 @@ def _parts_on_rank(rank: int, world_size: int, port: int, path: str, dtype: str,
 
     def run(new_tokens: int) -> float:
         greedy = SamplingParams(new_tokens, 0.0, 1.0, 0, 0)
-        return generate_tokens(engine, PROMPT, greedy, None, 10**6).decode_seconds
+        return generate_tokens(engine, PROMPT, greedy, (), 10**6).decode_seconds
 
     run(SHORT)  # compiles
     spent: dict[str, list[float]] = {"all_gather": [], "broadcast": []}  # the sums are all-gathers (distributed.py)

@@ -38,7 +38,7 @@ def syncs_per_step(engine, counter_factory) -> float:
     totals = []
     for n in (4, 12):
         with counter_factory() as count:
-            generate_tokens(engine, prompts(2, PROMPT_LEN, 1000), SamplingParams(n, 0.0, 1.0, 0, 0), None, 10**6)
+            generate_tokens(engine, prompts(2, PROMPT_LEN, 1000), SamplingParams(n, 0.0, 1.0, 0, 0), (), 10**6)
         totals.append(count())
     return (totals[1] - totals[0]) / 8
 
