@@ -54,8 +54,7 @@ class MoEModel:
                         exchange: str = "auto", compile: bool = False, experts: str = "expert") -> MoEModel:
         """Load a Hugging Face or Mistral consolidated directory.
 
-        `device`: "auto" (CUDA when there is a GPU for every rank, CPU when there is none), "cuda", "cpu"
-        (or "cuda:N" for one rank); more GPU ranks than GPUs is an error, never a silent fall back to CPU.
+        `device`: "auto" (CUDA with a GPU for every rank, CPU with none; else an error), "cuda", "cpu", "cuda:N".
         With `gpus=N > 1`, N ranks (one GPU each with NCCL, or CPU processes over gloo) share the model
         under `placement` (default: contiguous block ranges, experts of every block spread over all ranks);
         the ranks are fresh interpreters, so this works from any script, `python -c` or a notebook, and they
@@ -69,15 +68,12 @@ class MoEModel:
         rank holds the dense weights and runs its own slice of the batch) or "tensor" (heads split over the ranks);
         experts "expert" (whole experts placed, default), "tensor" (each expert's hidden dimension split) or "layer"
         (every expert on its block's owner: a pipeline of whole blocks, with attention "layer").
-        `cpu_kernels="auto"` (on CPU) runs decode steps through the project's streaming matrix-vector kernel (built once
-        per torch installation, `models.kernels.native`) and prompts through oneDNN; "onednn" keeps linear weights in
-        oneDNN's packed layout for every product (what "auto" falls back to without a C++ compiler); "torch" keeps plain
-        tensors and `F.linear`. `dtype="int8"`: int8 weights quantized at load (per output channel), bf16 activations.
-        `compile=True` runs decode steps through `torch.compile` with every shape static
-        (`moe.engine.compiled`; a CUDA graph on GPUs): the first step of each batch size compiles (tens of seconds on
-        a CPU), later ones run the graph. On N ranks it needs a layout whose ranks run whole steps or whole ranges of
-        blocks (`moe.engine.layouts`): `attention="replicated"` (then a batch smaller than the ranks compiles), or
-        `experts="layer"`.
+        `cpu_kernels="auto"` runs the project's CPU kernels where they were built and measured, else oneDNN
+        (`models.kernels.choice` decides; `info.kernels` says what runs); "onednn" packs every weight for oneDNN;
+        "torch" keeps plain tensors and `F.linear`. `dtype="int8"`: int8 weights quantized at load, bf16 activations.
+        `compile=True` runs decode steps through `torch.compile`, every shape static (`moe.engine.compiled`; a CUDA
+        graph on GPUs): each batch size compiles once (tens of seconds on a CPU). On N ranks it needs replicated
+        attention or experts "layer" (`moe.engine.layouts`).
         `exchange` (N ranks): "auto" gathers a step's few rows to every rank (two collectives per block, no sizes
         on the host) for decode and exchanges them by all-to-all for prefill; "gather" or "all-to-all" forces one.
         """

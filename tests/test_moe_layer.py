@@ -10,11 +10,11 @@ from models.mixture import (
     Dispatched,
     GroupedExperts,
     MoEFeedForward,
-    Router,
     group_by_expert,
     stable_ranks,
     weighted_sum,
 )
+from models.router import Router
 from tests.checkpoints import tiny_config
 
 

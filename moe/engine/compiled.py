@@ -35,7 +35,7 @@ import inspect
 import torch
 
 from models.attention import KVCache
-from models.mixture import Router
+from models.router import Router
 from models.transformer import Transformer
 
 CACHE_BUCKET = 256  # cache lengths are multiples of this: few shapes, each a compile; at most 255 slots unused
