@@ -42,6 +42,8 @@ def knobs(cfg: dict[str, Any]) -> dict[str, Any]:
     act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
     if act != "silu":
         raise FamilyError(f"config.json's hidden_act {act!r} is not supported (the experts run SwiGLU: silu)")
+    if cfg.get("mlp_bias"):
+        raise FamilyError("config.json's mlp_bias is not supported (the experts and MLPs have no biases here)")
     out: dict[str, Any] = {"family": family}
     if cfg.get("attention_bias"):
         out |= {"qkv_bias": True, "o_bias": True}

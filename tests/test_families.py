@@ -142,6 +142,7 @@ def test_families_and_fields_not_run_are_refused_in_one_line(tmp_path):
         (dict(model_type="deepseek_v3"), "model_type 'deepseek_v3' needs multi-head latent attention, which this "
                                          "version does not run"),
         (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+        (dict(model_type="llama", mlp_bias=True), "mlp_bias is not supported"),
     ]
     for fields, message in cases:
         with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
