@@ -84,6 +84,9 @@ class RotaryTable:
     def __init__(self, cfg: ModelConfig) -> None:
         self.cfg = cfg
         self.original = cfg.max_position_embeddings or cfg.max_seq_len
+        # the length-dependent kinds' cos/sin factor (longrope's), fixed by the config: computed once, not per call
+        self.length_factor = inverse_frequencies(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling, cfg.max_seq_len)[1] \
+            if cfg.rope_scaling.by_length else 1.0
         self.cos: torch.Tensor | None = None  # [n, Dh]
         self.sin: torch.Tensor | None = None
 
@@ -94,8 +97,7 @@ class RotaryTable:
         cfg, scaling, device = self.cfg, self.cfg.rope_scaling, positions_BS.device
         if scaling.by_length:
             inv = frequencies_for_length(cfg.rope_theta, cfg.head_dim, scaling, self.original, length, device)
-            attention = inverse_frequencies(cfg.rope_theta, cfg.head_dim, scaling, cfg.max_seq_len)[1]
-            return rotary_tables(positions_BS, inv, attention, dtype)
+            return rotary_tables(positions_BS, inv, self.length_factor, dtype)
         need = length if isinstance(length, int) else cfg.max_seq_len
         if self.cos is None or self.cos.device != device or self.cos.dtype != dtype or self.cos.shape[0] < need:
             n = min(cfg.max_seq_len, -(-max(need, 1) // TABLE_STEP) * TABLE_STEP)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from moe.host import process_alive as alive  # a zombie, exited but not reaped, counts as gone
+
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, every_s: float = 0.02) -> None:
     deadline = time.monotonic() + timeout_s
@@ -15,15 +17,6 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, every
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout_s:g} s: {what}")
         time.sleep(every_s)
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie, exited but not yet reaped, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 def wait_gone(pids: list[int], timeout_s: float = 30) -> None:

@@ -143,7 +143,8 @@ def save_distributed(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Pa
     members: dict[str, list[str]] = {}  # each tensor written, and the external tensors it is made of
     for name in plan.mine:
         members.setdefault(name.partition("#")[0], []).append(name)  # a 3-D expert tensor: its rows (`restack`)
-    sizes = {unit: sum(nbytes({n: plan.mine[n]})[n] for n in names) for unit, names in members.items()}
+    each = nbytes(plan.mine)
+    sizes = {unit: sum(each[n] for n in names) for unit, names in members.items()}
     try:
         shards = plan_shards(sizes, max_shard_bytes) if plan.mine else []
         if progress is not None:

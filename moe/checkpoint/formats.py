@@ -9,6 +9,8 @@ half-split one: `to_half_split` / `to_interleaved` convert at the boundary.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import json
 import math
 import re
@@ -90,7 +92,7 @@ _GRANITE_FFN = {
 
 def _fused_ffn(family: str) -> dict[str, str]:
     """transformers 5's fused expert tensors, as it names them in memory for each family."""
-    granite = family == "granitemoe"  # (Qwen2-MoE's shared expert keeps its names)
+    granite = family == "granitemoe"
     at = f"model.layers.{{i}}.{'block_sparse_moe' if granite else 'mlp'}"
     return {"layers.{i}.feed_forward.gate.weight": f"{at}.{'router' if granite else 'gate'}.weight",
             "layers.{i}.feed_forward.experts.w1": f"{at}.experts.gate_up_proj#{{e}}:0/2",
@@ -108,8 +110,10 @@ def dense_layer(cfg: ModelConfig, name: str) -> bool:
     return m is not None and int(m.group(1)) in cfg.dense_layers
 
 
+@functools.lru_cache(maxsize=16)
 def name_map(fmt: str, cfg: ModelConfig) -> dict[str, str]:
-    """Our parameter names (templates) -> the format's tensor names, for this config's family and knobs."""
+    """Our parameter names (templates) -> the format's tensor names, for this config's family and knobs. Made once
+    per config (loading asks it for every tensor of every expert); callers read it, never change it."""
     names = dict(NAME_MAPS[(HF if fmt == HF_FUSED else fmt, cfg.is_moe)])
     if fmt == MISTRAL:
         return names
@@ -303,8 +307,7 @@ def restack(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         base, _, selector = name.partition("#")
         e, _, part = selector.partition(":")
         grouped.setdefault(base, {})[(int(e), int(part.split("/")[0]) if part else 0)] = t
-    for base, pieces in grouped.items():
-        experts = sorted({e for e, _ in pieces})
-        out[base] = torch.stack([torch.cat([pieces[(e, k)] for k in sorted(k for x, k in pieces if x == e)])
-                                 for e in experts])
+    for base, pieces in grouped.items():  # experts in order, each expert's parts in order
+        rows = itertools.groupby(sorted(pieces), key=lambda key: key[0])
+        out[base] = torch.stack([torch.cat([pieces[key] for key in keys]) for _, keys in rows])
     return out

@@ -216,7 +216,7 @@ class ShardedEngine:
         `RoutingDiverged`."""
         local = torch.zeros(self.model.cfg.n_layers, dtype=torch.long, device=self.dist.device)
         for name, block in self.model.layers.items():
-            if block.feed_forward is not None and block.feed_forward.checks_routing:
+            if block.feed_forward.checks_routing:
                 local[int(name)] = block.feed_forward.route_check
         gathered = self.dist.all_gather(local[None]).cpu()  # [ranks, blocks]
         check_routing_agrees(gathered, alike)
@@ -226,8 +226,8 @@ class ShardedEngine:
                  on_token: Callable[[int, int], None] | None = None,
                  should_stop: Callable[[], bool] | None = None) -> GenerationResult:
         alike = self.routes_alike(len(ids))
-        for block in self.model.layers.values():
-            if block.feed_forward is not None:
+        if alike:  # only blocks whose ranks compare their routing keep a checksum
+            for block in self.model.layers.values():
                 block.feed_forward.route_check.zero_()
         result = generate_tokens(self, ids, params, eos, context, on_token, should_stop)
         if alike and not result.cancelled:

@@ -26,16 +26,14 @@ def agreed(error: Exception) -> Exception:
 
 def check_reports_agree(reports: list[dict], key: str = "kernel_settings") -> None:
     """Every rank's `key` equals rank 0's, or one line that names the first rank and setting that differ."""
-    first = reports[0].get(key)
+    first = reports[0].get(key) or {}
     for rank, report in enumerate(reports[1:], start=1):
-        other = report.get(key)
-        if other == first:
-            continue
-        names = sorted(set(first or {}) | set(other or {}))
-        name = next(n for n in names if (first or {}).get(n) != (other or {}).get(n))
-        raise RanksDisagree(f"rank {rank} loaded with {name}={(other or {}).get(name)!r} where rank 0 has "
-                            f"{(first or {}).get(name)!r}: every rank must run the same kernels and settings (the same "
-                            "torch, cpu_kernels and MOE_CPU_KERNELS, on CPUs of one kind)")
+        other = report.get(key) or {}
+        name = next((n for n in sorted(set(first) | set(other)) if first.get(n) != other.get(n)), None)
+        if name is not None:
+            raise RanksDisagree(f"rank {rank} loaded with {name}={other.get(name)!r} where rank 0 has "
+                                f"{first.get(name)!r}: every rank must run the same kernels and settings (the same "
+                                "torch, cpu_kernels and MOE_CPU_KERNELS, on CPUs of one kind)")
 
 
 def check_routing_agrees(checks_RL: torch.Tensor, alike: dict[int, tuple[int, ...]]) -> None:

@@ -226,7 +226,7 @@ def _skew_routers(engine: ShardedEngine, skewed: int) -> None:
     inputs differ would route otherwise."""
     if engine.rank == skewed:
         for block in engine.model.layers.values():
-            gate = block.feed_forward.gate if block.feed_forward is not None else None
+            gate = block.feed_forward.gate
             if gate is not None and gate.weight is not None:
                 gate.weight.data[-1] += 0.5 * gate.weight.data.abs().max()
 
