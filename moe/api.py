@@ -18,23 +18,27 @@ import torch
 
 from models.config import ModelConfig
 from models.kernels import native
+from moe.chat.template import end_of_turn_id
 from moe.checkpoint.formats import detect
 from moe.checkpoint.generation_config import GenerationDefaults, read_generation_config
-from moe.checkpoint.loader import INT8, activation_dtype, parse_precision
+from moe.checkpoint.loader import INT8, parse_precision
 from moe.engine.base import Engine
 from moe.engine.build import build_model
 from moe.engine.layouts import check_options, compilable_plan
 from moe.engine.local import LocalEngine
 from moe.errors import USER_ERRORS, RankFailure
 from moe.generation import SamplingParams, check_prompts
+from moe.generation.params import SEED_LIMIT, per_prompt_seeds
+from moe.generation.results import Completion, TokenCompletion, to_results
+from moe.generation.text import TextStreams
 from moe.info import ModelInfo, announce
-from moe.memory import MemoryUse, available_mib, peak_memory_mib
+from moe.memory import MemoryUse, check_kv_cache, peak_memory_mib
 from moe.parallel.devices import ranks_device
 from moe.parallel.distributed import DEFAULT_TIMEOUT_S, from_torchrun
 from moe.parallel.placement import Placement, resolve_placement
 from moe.progress import Progress
 from moe.reports.expert_load import ExpertLoadReport
-from moe.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
+from moe.tokenizer import Tokenizer, load_tokenizer
 from moe.workers.rank import ShardSpec, load_report
 
 
@@ -113,7 +117,9 @@ class MoEModel:
         model, _, stats = build_model(path, base["dtype"], device, progress=Progress.for_loading(progress),
                                       kernels=base["cpu_kernels"])
         report = load_report(model, stats, baseline, torch.device(device), "none")
-        return cls(LocalEngine(model, compile), cfg, tokenizer,
+        engine = LocalEngine(model, compile)
+        engine.checkpoint_dir = str(path)
+        return cls(engine, cfg, tokenizer,
                    announce(ModelInfo.from_reports(base, [report], launch="local", compiled=compile)))
 
     @classmethod
@@ -197,15 +203,22 @@ class MoEModel:
 
     def generate(self, prompts: list[str] | list[list[int]], max_new_tokens: int = 64,
                  temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                 seed: int | None = None, streamer: Callable[[int, str | int], None] | None = None,
-                 ignore_eos: bool = False) -> list[str] | list[list[int]]:
-        """New text per prompt for string prompts, new token ids per prompt for token-id prompts.
+                 seed: int | list[int] | None = None, streamer: Callable[[int, str | int], None] | None = None,
+                 ignore_eos: bool = False, *, min_p: float | None = None, repetition_penalty: float | None = None,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, stop: str | list[str] | None = None,
+                 stop_token_ids: list[int] | None = None,
+                 logprobs: int | None = None) -> list[Completion] | list[TokenCompletion]:
+        """One result per prompt: a `Completion` (a `str`: the new text) for text prompts, a `TokenCompletion` (a
+        `list` of the new ids) for token-id prompts; both carry `token_ids`, `finish_reason` ("stop" or "length"),
+        `stop_reason`, `logprobs`, `prompt_tokens` and `seed`. The parameters are vLLM's (`SamplingParams`).
 
         Sampling values left out come from the checkpoint's `generation_config.json` where it sets them (as
         transformers and vLLM do; `self.last_defaults` names them), else greedy (temperature 0, top_p 1, top_k off).
         Generation stops at every end-of-sequence id of the tokenizer, config.json and generation_config.json.
+        `seed`: one for every prompt, or one per prompt; left out, a fresh one per prompt (drawn on one rank). A
+        prompt's samples depend only on it, its parameters and its seed, never on the rest of the batch.
         `ignore_eos` generates exactly `max_new_tokens` (for benchmarks), as vLLM's option of that name.
-        `streamer(prompt_index, piece)` receives each new text piece (or token id) as soon as it exists.
+        `streamer(prompt_index, piece)` gets each new text piece (or token id) once final (stop strings: held back).
         """
         if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, list):
             raise TypeError("prompts must be a list of strings or a list of token-id lists")
@@ -213,30 +226,59 @@ class MoEModel:
         if is_text and any(not p for p in prompts):
             raise ValueError(f"prompt {[bool(p) for p in prompts].index(False)} is empty")
         ids = [self.tokenizer.encode(p) for p in prompts] if is_text else [list(map(int, p)) for p in prompts]
-        check_prompts(ids, self.config.vocab_size, self.config.max_seq_len)
-        sampling, self.last_defaults = self.generation_defaults.merged(temperature=temperature, top_p=top_p,
-                                                                       top_k=top_k)
-        params = SamplingParams(max_new_tokens, **sampling, seed=seed if seed is not None else 0)
-        self._check_kv_cache(len(ids), min(max(map(len, ids)) + max_new_tokens, self.config.max_seq_len))
-        eos = () if ignore_eos else self.eos_ids
-        on_token = None
-        if streamer is not None and is_text:
-            decoders = [IncrementalDecoder(self.tokenizer, p) for p in ids]
+        params = self._sampling(max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty, stop=stop, stop_token_ids=stop_token_ids,
+                                logprobs=logprobs, ignore_eos=ignore_eos)
+        return self._generate(ids, params, seed, streamer, is_text)
 
-            def on_token(b: int, t: int) -> None:
-                piece = decoders[b].push(t)
-                if piece:
-                    streamer(b, piece)
-        elif streamer is not None:
-            on_token = streamer
+    def _sampling(self, max_new_tokens: int, stop=None, stop_token_ids=None, **given) -> SamplingParams:
+        """The request's parameters: the caller's, else the checkpoint's generation_config.json's, else off."""
+        defaulted = {k: given.pop(k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                     if k in given}
+        sampling, self.last_defaults = self.generation_defaults.merged(**defaulted)
+        return SamplingParams(max_new_tokens, **sampling, **given, stop=() if stop is None else stop,
+                              stop_token_ids=() if stop_token_ids is None else stop_token_ids)
+
+    def chat(self, messages: list[dict] | list[list[dict]], max_new_tokens: int = 256, *,
+             chat_template: str | None = None, template_kwargs: dict | None = None, tools: list[dict] | None = None,
+             seed: int | list[int] | None = None, streamer: Callable[[int, str], None] | None = None,
+             **sampling) -> Completion | list[Completion]:
+        """The assistant's reply to one conversation (a list of {"role", "content"} messages), or a list of replies
+        to a list of conversations, through the checkpoint's chat template (`chat_template`: another template's
+        source or name; `template_kwargs`: the template's own switches, e.g. {"enable_thinking": False}). It stops at
+        the template's end-of-turn token too. `sampling`: `generate`'s keywords."""
+        batched = bool(messages) and isinstance(messages[0], (list, tuple))
+        conversations = messages if batched else [messages]
+        template = self.tokenizer.chat_template(chat_template)
+        ids = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=False,
+                                                  chat_template=template, tools=tools, **(template_kwargs or {}))
+               for c in conversations]
+        turn_end = end_of_turn_id(self.tokenizer, template)
+        params = self._sampling(max_new_tokens, **sampling)
+        replies = self._generate(ids, params, seed, streamer, True, () if turn_end is None else (turn_end,))
+        return replies if batched else replies[0]
+
+    def _generate(self, ids: list[list[int]], params: SamplingParams, seed: int | list[int] | None,
+                  streamer: Callable[[int, str | int], None] | None, is_text: bool,
+                  extra_eos: tuple[int, ...] = ()) -> list:
+        check_prompts(ids, self.config.vocab_size, self.config.max_seq_len)
+        seeds = per_prompt_seeds(seed, len(ids))
+        tokenizer = self.tokenizer if params.stop or (is_text and streamer) else self._tokenizer  # refused early
+        check_kv_cache(self.config, self.info, self.engine, len(ids),
+                       min(max(map(len, ids)) + params.max_new_tokens, self.config.max_seq_len))
+        stream = TextStreams(tokenizer, ids, params.stop, streamer, is_text) if streamer is not None else None
         with self._calling():
-            if seed is None:
-                params = dataclasses.replace(params, seed=self.engine.random_seed())
-            result = self.engine.generate(ids, params, eos, self.config.max_seq_len, on_token)
+            if seeds is None:
+                base = self.engine.random_seed()
+                seeds = [(base + b) % SEED_LIMIT for b in range(len(ids))]
+            rows = [dataclasses.replace(params, seed=s) for s in seeds]
+            result = self.engine.generate(ids, rows, tuple(dict.fromkeys(self.eos_ids + extra_eos)),
+                                          self.config.max_seq_len, stream.on_token if stream else None)
+        if stream is not None:
+            stream.finish()
         self.last_result = result
-        if not is_text:
-            return result.tokens
-        return [self.tokenizer.decode_continuation(p, t) for p, t in zip(ids, result.tokens, strict=True)]
+        return to_results(self._tokenizer, ids, result.rows, seeds, params.stop, is_text)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -244,21 +286,6 @@ class MoEModel:
         tokenizer = self._tokenizer.eos_id if self._tokenizer is not None else None
         found = [tokenizer, self.config.eos_id, *self.config.eos_ids, *self.generation_defaults.eos_ids]
         return tuple(dict.fromkeys(i for i in found if i is not None))
-
-    def _check_kv_cache(self, batch: int, length: int) -> None:
-        """Refuse, before any memory is taken, a request whose KV cache cannot fit where it would live."""
-        cfg, itemsize = self.config, activation_dtype(self.info.dtype).itemsize
-        need = batch * length * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * itemsize
-        device = getattr(self.engine, "device", torch.device("cpu")) if self.info.launch == "local" else None
-        if device is not None and device.type == "cuda":
-            free, where = torch.cuda.mem_get_info(device)[0], str(device)
-        elif self.info.backend in ("none", "gloo"):  # this machine's memory holds every rank's share
-            free, where = available_mib() * 2**20, "host memory"
-        else:
-            return  # GPU ranks in other processes: their free memory is not visible from here
-        if need > free:
-            raise ValueError(f"a KV cache for {batch} sequence(s) of {length} positions needs {need / 2**30:.1f} GiB, "
-                             f"{where} has {free / 2**30:.1f} GiB free; ask for fewer new tokens or fewer prompts")
 
     def save_pretrained(self, path: str | Path, max_shard_size: str | int | None = "200MB",
                         progress: bool = False) -> list[dict]:

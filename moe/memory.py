@@ -84,3 +84,20 @@ def describe(uses: list[MemoryUse]) -> str:
     gpu = [(u.gpu_peak, u.gpu_allocated, u.gpu_reserved) for u in uses]
     return (f"GPU peak {per_rank([g[0] for g in gpu])} MiB, allocated {per_rank([g[1] for g in gpu])} MiB, "
             f"reserved {per_rank([g[2] for g in gpu])} MiB; host {host}")
+
+
+def check_kv_cache(cfg, info, engine, batch: int, length: int) -> None:
+    """Refuse, before any memory is taken, a request whose KV cache cannot fit where it would live."""
+    from moe.checkpoint.loader import activation_dtype
+
+    need = batch * length * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * activation_dtype(info.dtype).itemsize
+    device = getattr(engine, "device", torch.device("cpu")) if info.launch == "local" else None
+    if device is not None and device.type == "cuda":
+        free, where = torch.cuda.mem_get_info(device)[0], str(device)
+    elif info.backend in ("none", "gloo"):  # this machine's memory holds every rank's share
+        free, where = available_mib() * 2**20, "host memory"
+    else:
+        return  # GPU ranks in other processes: their free memory is not visible from here
+    if need > free:
+        raise ValueError(f"a KV cache for {batch} sequence(s) of {length} positions needs {need / 2**30:.1f} GiB, "
+                         f"{where} has {free / 2**30:.1f} GiB free; ask for fewer new tokens or fewer prompts")

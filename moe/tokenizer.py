@@ -5,7 +5,9 @@ tokens and whether to add BOS from `tokenizer_config.json`. Plus an incremental 
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from pathlib import Path
 
 from moe.checkpoint.files import CheckpointError
@@ -28,6 +30,50 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         raise NotImplementedError
 
+    def encode_special(self, text: str) -> list[int]:
+        """Text with special tokens written out (a rendered chat template) as ids: no BOS added, each special
+        token's text its id (as transformers tokenizes `apply_chat_template`'s text)."""
+        raise NotImplementedError
+
+    @property
+    def special_texts(self) -> dict[str, str]:
+        """bos_token, eos_token, unk_token, pad_token as text, where the tokenizer has them (for chat templates)."""
+        raise NotImplementedError
+
+    def is_special(self, token: int) -> bool:
+        raise NotImplementedError
+
+    def apply_chat_template(self, conversation: list[dict] | list[list[dict]], add_generation_prompt: bool = False,
+                            tokenize: bool = True, return_dict: bool = True, chat_template: str | None = None,
+                            tools: list[dict] | None = None, documents: list[dict] | None = None, **kwargs):
+        """transformers' method of this name (v5): the rendered text when `tokenize=False`, else the ids (a dict
+        with `input_ids` and `attention_mask` when `return_dict`); a list of them for a list of conversations.
+        `chat_template` is a template's source or the name of one of the checkpoint's named templates."""
+        from moe.chat.template import render
+
+        source = self.chat_template(chat_template)
+        batched = bool(conversation) and isinstance(conversation[0], (list, tuple))
+        texts = [render(source, c, self.special_texts, add_generation_prompt, tools, documents, **kwargs)
+                 for c in (conversation if batched else [conversation])]
+        if tokenize:
+            ids = [self.encode_special(t) for t in texts]
+            texts = [{"input_ids": i, "attention_mask": [1] * len(i)} if return_dict else i for i in ids]
+        return texts if batched else texts[0]
+
+    def chat_template(self, given: str | None = None) -> str:
+        """The template's source: `given` (the name of one of the checkpoint's named templates, or a source), else
+        the checkpoint's (`moe.chat.template.find_chat_template`)."""
+        from moe.chat.template import NoChatTemplate, find_chat_template, named_templates
+
+        if given is not None:
+            return named_templates(self.path.parent).get(given, given)
+        found = find_chat_template(self.path.parent)
+        if found is None:
+            raise NoChatTemplate(f"{self.path.parent}: the checkpoint has no chat template (chat_template.jinja or "
+                                 "tokenizer_config.json's chat_template); give one: --chat-template FILE, or "
+                                 "chat_template=SOURCE")
+        return found
+
     def decode_continuation(self, prompt: list[int], new: list[int]) -> str:
         """Text of `new` as it reads after `prompt`: a tokenizer may drop a leading space at the start of a
         decode, which would glue the first new word to the prompt's last one."""
@@ -42,6 +88,12 @@ def load_tokenizer(directory: str | Path) -> Tokenizer | None:
     if (d / "tokenizer.model").exists():
         return SentencePieceTokenizer(d / "tokenizer.model")
     return None
+
+
+@functools.lru_cache(maxsize=4)
+def tokenizer_of(directory: str | None) -> Tokenizer | None:
+    """The tokenizer of a checkpoint directory, read once per process: a rank reads it for stop strings."""
+    return load_tokenizer(directory) if directory is not None else None
 
 
 def special_tokens(directory: Path) -> dict:
@@ -72,7 +124,7 @@ class HFTokenizer(Tokenizer):
         except Exception as e:  # the library raises its own exception type for a bad file
             raise CheckpointError(f"{path}: not a tokenizers file ({str(e).splitlines()[0]})") from None
         self.path = path
-        config = special_tokens(path.parent)
+        self.config = config = special_tokens(path.parent)
         self.bos_id, self.eos_id = (self.tok.token_to_id(config[k]) if config.get(k) else None
                                     for k in ("bos_token", "eos_token"))
         adds = self.tok.encode("", add_special_tokens=True).ids
@@ -91,6 +143,17 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
+
+    def encode_special(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    @property
+    def special_texts(self) -> dict[str, str]:
+        return {k: v for k, v in self.config.items() if k.endswith("_token") and isinstance(v, str)}
+
+    def is_special(self, token: int) -> bool:
+        added = self.tok.get_added_tokens_decoder().get(token)
+        return added is not None and added.special
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -117,6 +180,24 @@ class SentencePieceTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return self.sp.decode(ids)
+
+    @property
+    def special_texts(self) -> dict[str, str]:
+        ids = {"bos_token": self.bos_id, "eos_token": self.eos_id, "unk_token": self.sp.unk_id()}
+        return {k: self.sp.id_to_piece(i) for k, i in ids.items() if i is not None and i >= 0}
+
+    def is_special(self, token: int) -> bool:
+        return 0 <= token < self.vocab_size and (self.sp.is_control(token) or self.sp.is_unknown(token))
+
+    def encode_special(self, text: str) -> list[int]:
+        """The text split at the special tokens' text (as transformers' slow tokenizers split at added tokens),
+        each piece between encoded on its own."""
+        specials = {t: self.sp.piece_to_id(t) for t in self.special_texts.values()}
+        pattern = "(" + "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) + ")"
+        ids: list[int] = []
+        for part in re.split(pattern, text) if specials else [text]:
+            ids += [specials[part]] if part in specials else self.sp.encode(part) if part else []
+        return ids
 
 
 def train_tokenizer(text_file: Path, vocab_size: int, out: Path) -> None:
@@ -150,5 +231,11 @@ class IncrementalDecoder:
         text = self.tokenizer.decode(self.ids)[self.context_chars:]
         if text.endswith("\ufffd"):
             return ""  # an incomplete UTF-8 character; wait for its other bytes
+        new, self.emitted = text[len(self.emitted):], text
+        return new
+
+    def flush(self) -> str:
+        """At the end: what is left, an incomplete character's replacement mark included (as a decode gives it)."""
+        text = self.tokenizer.decode(self.ids)[self.context_chars:]
         new, self.emitted = text[len(self.emitted):], text
         return new

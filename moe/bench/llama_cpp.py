@@ -47,11 +47,12 @@ class LlamaCpp:
         out = out_dir / f"{checkpoint.name}-{GGUF_TYPES[dtype]}.gguf"
         if out.exists():
             return out
-        if not (checkpoint / "tokenizer.model").exists():
-            raise ValueError(f"{checkpoint}: llama.cpp's converter needs a tokenizer.model beside the weights")
+        if not any((checkpoint / name).exists() for name in ("tokenizer.model", "tokenizer.json")):
+            raise ValueError(f"{checkpoint}: llama.cpp's converter needs a tokenizer.model or tokenizer.json beside "
+                             "the weights")
         out_dir.mkdir(parents=True, exist_ok=True)
         partial = out.with_suffix(".partial")
-        command = [sys.executable, str(self.root / "convert_hf_to_gguf.py"), str(checkpoint),
+        command = [sys.executable, "-m", "moe.bench.gguf_convert", str(self.root), str(checkpoint),
                    "--outtype", GGUF_TYPES[dtype], "--outfile", str(partial)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:

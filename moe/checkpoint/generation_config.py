@@ -13,7 +13,7 @@ from moe.checkpoint.files import CheckpointError
 @dataclass(frozen=True)
 class GenerationDefaults:
     eos_ids: tuple[int, ...] = ()  # every one of them ends a sequence
-    sampling: dict[str, float | int] = field(default_factory=dict)  # temperature, top_p, top_k, where it sets them
+    sampling: dict[str, float | int] = field(default_factory=dict)  # temperature, top_p, ..., where it sets them
     path: Path | None = None
 
     def merged(self, **given: float | int | None) -> tuple[dict[str, float | int], list[str]]:
@@ -30,7 +30,8 @@ class GenerationDefaults:
 
 def read_generation_config(directory: str | Path, config_eos: list[int] | int | None) -> GenerationDefaults:
     """The file beside the weights, if any: its `eos_token_id` (one or a list; else config.json's) and, where
-    `do_sample` is true, its temperature, top_p and top_k (a file that does not sample is greedy: temperature 0)."""
+    `do_sample` is true, its temperature, top_p, top_k and min_p (a file that does not sample is greedy:
+    temperature 0); its repetition_penalty either way (transformers applies it to greedy search too)."""
     eos = config_eos
     path = Path(directory) / "generation_config.json"
     sampling: dict[str, float | int] = {}
@@ -41,9 +42,11 @@ def read_generation_config(directory: str | Path, config_eos: list[int] | int | 
             raise CheckpointError(f"{path}: cannot parse JSON ({e})") from None
         eos = raw.get("eos_token_id", eos)
         if raw.get("do_sample"):
-            sampling = {k: raw[k] for k in ("temperature", "top_p", "top_k") if raw.get(k) is not None}
+            sampling = {k: raw[k] for k in ("temperature", "top_p", "top_k", "min_p") if raw.get(k) is not None}
             sampling.setdefault("temperature", 1.0)
         elif "do_sample" in raw:
             sampling = {"temperature": 0.0}
+        if raw.get("repetition_penalty") not in (None, 1, 1.0):
+            sampling["repetition_penalty"] = raw["repetition_penalty"]
     ids = tuple(eos) if isinstance(eos, list) else (eos,) if isinstance(eos, int) else ()
     return GenerationDefaults(ids, sampling, path if path.exists() else None)

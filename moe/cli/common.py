@@ -112,3 +112,34 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
                     help=f"how long ranks wait for the slowest one, e.g. while loading (default {DEFAULT_TIMEOUT_S:g})")
     ap.add_argument("--quiet", action="store_true", help="no progress bars or load lines")
     ap.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
+
+
+def add_sampling_args(ap: argparse.ArgumentParser, max_new_tokens: int = 64) -> None:
+    """`generate`'s sampling parameters as flags (vLLM's names); left out, the checkpoint's defaults apply."""
+    ap.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+                    help=f"tokens to generate per prompt (default {max_new_tokens})")
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="sampling temperature; 0 is greedy (default: generation_config.json's, else 0)")
+    ap.add_argument("--top-p", type=float, default=None,
+                    help="nucleus sampling threshold (default: generation_config.json's, else 1.0 = off)")
+    ap.add_argument("--top-k", type=int, default=None,
+                    help="sample among the k most likely tokens (default: generation_config.json's, else 0 = off)")
+    ap.add_argument("--min-p", type=float, default=None,
+                    help="drop tokens less likely than min_p times the most likely one (default: off)")
+    ap.add_argument("--repetition-penalty", type=float, default=None,
+                    help="divide the logits of tokens already in the prompt or output (transformers'; 1 = off)")
+    ap.add_argument("--presence-penalty", type=float, default=0.0,
+                    help="subtract from the logits of tokens already generated (OpenAI's; -2 to 2, default 0)")
+    ap.add_argument("--frequency-penalty", type=float, default=0.0,
+                    help="subtract per occurrence in the output (OpenAI's; -2 to 2, default 0)")
+    ap.add_argument("--stop", action="append", default=None, help="stop before this text; repeat for several")
+    ap.add_argument("--stop-token-id", action="append", type=int, default=None, help="stop at this token id")
+
+
+def sampling_args(args: argparse.Namespace) -> dict:
+    """The command line's sampling options as `generate`'s keywords (None: the checkpoint's default)."""
+    given = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                 top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                 presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                 stop=args.stop, stop_token_ids=args.stop_token_id)
+    return {k: v for k, v in given.items() if v is not None}

@@ -10,15 +10,18 @@ import argparse
 import os
 import sys
 import time
+from collections import Counter
 
 from moe.api import MoEModel
 from moe.checkpoint.formats import detect
 from moe.cli.common import (
     add_model_args,
+    add_sampling_args,
     parse_blocks_per_rank,
     read_prompts,
     refuse_gpus_under_torchrun,
     run_command,
+    sampling_args,
     say_from,
 )
 from moe.generation import GenerationResult, SamplingParams
@@ -47,13 +50,7 @@ def parser() -> argparse.ArgumentParser:
     add_model_args(ap)
     ap.add_argument("--prompt", action="append", default=[], help="prompt text; repeat for a batch")
     ap.add_argument("--prompt-file", help="file with one prompt per non-empty line; - reads standard input")
-    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
-    ap.add_argument("--temperature", type=float, default=None,
-                    help="sampling temperature; 0 is greedy (default: generation_config.json's, else 0)")
-    ap.add_argument("--top-p", type=float, default=None,
-                    help="nucleus sampling threshold (default: generation_config.json's, else 1.0 = off)")
-    ap.add_argument("--top-k", type=int, default=None,
-                    help="sample among the k most likely tokens (default: generation_config.json's, else 0 = off)")
+    add_sampling_args(ap)
     ap.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one, printed)")
     ap.add_argument("--blocks-per-rank", default=None,
                     help="comma-separated block counts per rank, e.g. 3,2,2,1 (default: balanced ranges)")
@@ -90,9 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def generate(args: argparse.Namespace) -> int:
     refuse_gpus_under_torchrun(args)
-    given = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k))
-             if v is not None}
-    SamplingParams(args.max_new_tokens, **given, seed=args.seed or 0)  # checked before loading
+    SamplingParams(**sampling_args(args), seed=args.seed or 0)  # checked before loading
     prompts = read_prompts(args)
     cfg = detect(args.ckpt).config
     torchrun = under_torchrun()
@@ -131,7 +126,8 @@ def run_and_print(model: MoEModel, args: argparse.Namespace, prompts: list[str],
     say(f"model: {args.ckpt} ({model.info.format}), {cfg.n_layers} blocks, "
         f"{cfg.n_experts} experts top-{cfg.top_k}, dim {cfg.dim}; ranks: {model.info.ranks}")
     sampling, from_file = model.generation_defaults.merged(temperature=args.temperature, top_p=args.top_p,
-                                                           top_k=args.top_k)
+                                                           top_k=args.top_k, min_p=args.min_p,
+                                                           repetition_penalty=args.repetition_penalty)
     sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": 0} | sampling
     shown = " ".join(f"{k}={v}" + ("*" if k in from_file else "") for k, v in sampling.items())
     note = " (* from generation_config.json)" if from_file else ""
@@ -143,13 +139,12 @@ def run_and_print(model: MoEModel, args: argparse.Namespace, prompts: list[str],
     if single:
         say(prompts[0], end="", flush=True)
     streamer = (lambda b, piece: say(piece, end="", flush=True)) if single else None
-    outputs = model.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             top_p=args.top_p, top_k=args.top_k, seed=seed, streamer=streamer)
+    outputs = model.generate(prompts, seed=seed, streamer=streamer, **sampling_args(args))
     say()
     if not single:
         for i, (p, o) in enumerate(zip(prompts, outputs, strict=True)):
             say(f"[{i}] {p}{o}")
-    say(summary(load_s, model.last_result, len(prompts), model.memory()))
+    say(summary(load_s, model.last_result, outputs, model.memory()))
     if args.expert_load:
         report = model.expert_load()  # every rank takes part in gathering the counters
         if model.rank == 0:
@@ -158,11 +153,13 @@ def run_and_print(model: MoEModel, args: argparse.Namespace, prompts: list[str],
             report_out(report, args.expert_load)
 
 
-def summary(load_s: float, r: GenerationResult, n_prompts: int, memory: list[MemoryUse]) -> str:
-    decode_tokens = max(r.new_tokens - n_prompts, 0)
+def summary(load_s: float, r: GenerationResult, outputs: list, memory: list[MemoryUse]) -> str:
+    decode_tokens = max(r.new_tokens - len(outputs), 0)
+    ends = Counter(o.finish_reason if o.stop_reason is None else f"{o.finish_reason} ({o.stop_reason!r})"
+                   for o in outputs)
     return (f"load {load_s:.2f} s | prompt {r.prompt_tokens} tok at {r.prompt_tokens / r.prefill_seconds:.1f} tok/s"
             f" | generated {r.new_tokens} tok at {decode_tokens / max(r.decode_seconds, 1e-9):.1f} tok/s"
-            f" | {describe(memory)}")
+            f" | finished: {', '.join(f'{n} {why}' for why, n in ends.items())} | {describe(memory)}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ ENGINE_CALLS = ("generate", "logits", "load_stats", "reset_load_stats", "set_rou
 
 
 class Engine(Protocol):
-    def generate(self, ids: list[list[int]], params: SamplingParams, eos: tuple[int, ...], context: int,
+    def generate(self, ids: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 eos: tuple[int, ...], context: int,
                  on_token: Callable[[int, int], None] | None = None) -> GenerationResult:
         """Engines that run the steps themselves also take `should_stop` (see `generate_tokens`)."""
 

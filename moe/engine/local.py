@@ -12,11 +12,12 @@ from models.attention import KVCache, Padding
 from models.transformer import Transformer
 from moe.checkpoint.distributed_save import save_distributed
 from moe.engine.compiled import CompiledDecode
-from moe.generation import GenerationResult, SamplingParams, generate_tokens
+from moe.generation import GenerationResult, SamplingParams, generate_tokens, stops
 from moe.memory import MemoryUse
 from moe.parallel.distributed import single_process
 from moe.progress import Progress
 from moe.reports.counters import local_load_stats, reset_load_stats, set_round_robin, track_entropy
+from moe.tokenizer import tokenizer_of
 
 
 class LocalEngine:
@@ -25,6 +26,7 @@ class LocalEngine:
         self.caches: dict[str, KVCache] | None = None
         self.padding: Padding | None = None
         self.compiled = CompiledDecode(model) if compile else None
+        self.checkpoint_dir: str | None = None  # its tokenizer, read when a request has stop strings
 
     @property
     def device(self) -> torch.device:
@@ -49,10 +51,11 @@ class LocalEngine:
         return decided  # one rank: it decided everything itself
 
     # -- the Engine interface ----------------------------------------------------------------------
-    def generate(self, ids: list[list[int]], params: SamplingParams, eos: tuple[int, ...], context: int,
-                 on_token: Callable[[int, int], None] | None = None,
+    def generate(self, ids: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 eos: tuple[int, ...], context: int, on_token: Callable[[int, int], None] | None = None,
                  should_stop: Callable[[], bool] | None = None) -> GenerationResult:
-        return generate_tokens(self, ids, params, eos, context, on_token, should_stop)
+        return generate_tokens(self, ids, params, eos, context, on_token, should_stop,
+                               tokenizer_of(self.checkpoint_dir) if stops(params) else None)
 
     @torch.inference_mode()
     def logits(self, tokens_BS: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,8 @@ class RemoteEngine:
         assert name in ENGINE_CALLS, name
         return self.group.call("each", name, *args)
 
-    def generate(self, ids: list[list[int]], params: SamplingParams, eos: tuple[int, ...], context: int,
+    def generate(self, ids: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 eos: tuple[int, ...], context: int,
                  on_token: Callable[[int, int], None] | None = None) -> GenerationResult:
         return self._call("generate", ids, params, eos, context, on_token=on_token)
 

@@ -21,7 +21,7 @@ import torch
 from models.attention import AttentionContext, KVCache, Padding
 from models.transformer import Transformer, real_token_rows
 from moe.checkpoint.distributed_save import save_distributed
-from moe.generation import GenerationResult, SamplingParams, generate_tokens
+from moe.generation import GenerationResult, SamplingParams, generate_tokens, stops
 from moe.memory import MemoryUse
 from moe.parallel.agreement import check_routing_agrees
 from moe.parallel.distributed import DistContext
@@ -30,6 +30,7 @@ from moe.parallel.placement import Placement
 from moe.parallel.strategies import balanced_slice
 from moe.progress import Progress
 from moe.reports.counters import local_load_stats, reset_load_stats, set_round_robin, track_entropy
+from moe.tokenizer import tokenizer_of
 
 
 class ShardedEngine:
@@ -39,6 +40,7 @@ class ShardedEngine:
         self.step = step or StepRows()  # shared with every block's dispatcher (moe.parallel.gather)
         self.rank = dist.rank
         self.owns_group = False  # under torchrun the engine leaves the group on close()
+        self.checkpoint_dir: str | None = None  # its tokenizer, read when a request has stop strings
         self.caches: dict[str, KVCache] = {}
         self.padding: Padding | None = None
         self.my_blocks = placement.attended_by(self.rank)
@@ -222,14 +224,15 @@ class ShardedEngine:
         check_routing_agrees(gathered, alike)
 
     # -- the Engine interface ----------------------------------------------------------------------
-    def generate(self, ids: list[list[int]], params: SamplingParams, eos: tuple[int, ...], context: int,
-                 on_token: Callable[[int, int], None] | None = None,
+    def generate(self, ids: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 eos: tuple[int, ...], context: int, on_token: Callable[[int, int], None] | None = None,
                  should_stop: Callable[[], bool] | None = None) -> GenerationResult:
         alike = self.routes_alike(len(ids))
         if alike:  # only blocks whose ranks compare their routing keep a checksum
             for block in self.model.layers.values():
                 block.feed_forward.route_check.zero_()
-        result = generate_tokens(self, ids, params, eos, context, on_token, should_stop)
+        result = generate_tokens(self, ids, params, eos, context, on_token, should_stop,
+                                 tokenizer_of(self.checkpoint_dir) if stops(params) else None)
         if alike and not result.cancelled:
             self.check_routing(alike)
         return result

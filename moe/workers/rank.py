@@ -58,6 +58,7 @@ def load_shard(spec: ShardSpec, dist: DistContext) -> tuple[ShardedEngine, dict]
     step = StepRows(spec.exchange)
     connect_ranks(model, placement, dist, step)
     engine = engine_type(placement)(model, placement, dist, torch_dtype, step)
+    engine.checkpoint_dir = spec.path
     if spec.compile:
         engine.compile_decode()
     return engine, stats

@@ -1,0 +1,1 @@
+"""Chat: templates found and rendered as transformers does them."""

@@ -1,0 +1,135 @@
+"""A checkpoint's chat template, found and rendered the way transformers does it.
+
+Found: `chat_template.jinja` beside the weights first, then `tokenizer_config.json`'s `chat_template` (a string, or
+a list of named templates where "default" is taken unless a name is asked for). Rendered with jinja2 in an immutable
+sandbox (templates from the Hub are untrusted code) with `trim_blocks` and `lstrip_blocks`, loop controls, the
+`{% generation %}` tag, `raise_exception`, `strftime_now` and a `tojson` that does not escape HTML; the variables
+are `messages`, `tools`, `documents`, `add_generation_prompt`, the special tokens' text and the caller's keywords.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from datetime import datetime
+from pathlib import Path
+
+from moe.checkpoint.files import CheckpointError
+
+
+class NoChatTemplate(ValueError):
+    pass
+
+
+def find_chat_template(directory: Path) -> str | None:
+    """The template's source, or None when the checkpoint ships none."""
+    path = directory / "chat_template.jinja"
+    if path.exists():
+        return path.read_text()
+    found = _configured(directory)
+    if isinstance(found, list):
+        return named_templates(directory).get("default")
+    return found if isinstance(found, str) else None
+
+
+def named_templates(directory: Path) -> dict[str, str]:
+    """`tokenizer_config.json`'s named templates ([{"name": ..., "template": ...}]), if it has a list of them."""
+    found = _configured(directory)
+    if not isinstance(found, list):
+        return {}
+    return {t["name"]: t["template"] for t in found if isinstance(t, dict) and "name" in t and "template" in t}
+
+
+def _configured(directory: Path) -> object:
+    config = directory / "tokenizer_config.json"
+    if not config.exists():
+        return None
+    try:
+        return json.loads(config.read_text()).get("chat_template")
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{config}: cannot parse JSON ({e})") from None
+
+
+def read_template_file(path: str | Path) -> str:
+    """A template given by the user (`--chat-template FILE`)."""
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        raise NoChatTemplate(f"--chat-template {path}: cannot read it ({e.strerror})") from None
+
+
+@functools.lru_cache(maxsize=8)
+def compiled(source: str):
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; rendering keeps it."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message: str):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise NoChatTemplate(f"the chat template does not parse: {e.message} (line {e.lineno})") from None
+
+
+def render(source: str, messages: list[dict], special: dict[str, str], add_generation_prompt: bool = False,
+           tools: list[dict] | None = None, documents: list[dict] | None = None, **extra) -> str:
+    """The conversation as the template writes it. A message is a dict with at least `role`; keys whose value is
+    None are dropped (as transformers does)."""
+    import jinja2
+
+    check_messages(messages)
+    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    try:
+        return compiled(source).render(messages=messages, tools=tools, documents=documents,
+                                       add_generation_prompt=add_generation_prompt, **(special | extra))
+    except jinja2.exceptions.TemplateError as e:
+        raise ValueError(f"the chat template refused the conversation: {e}") from None
+
+
+def check_messages(messages: object) -> None:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("a conversation is a non-empty list of messages ({'role': ..., 'content': ...})")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"message {i} must be a dict with a 'role' (and usually 'content'), got {m!r}")
+
+
+def end_of_turn_text(source: str, special: dict[str, str]) -> str:
+    """The text the template writes right after an assistant's reply (e.g. "</s>", "<|im_end|>\\n"), found by
+    rendering a two-turn conversation; "" where the template ends a reply with nothing."""
+    reply = "Qx7Zr"
+    try:
+        text = render(source, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": reply}], special)
+    except ValueError:
+        return ""
+    at = text.rfind(reply)
+    return text[at + len(reply):] if at >= 0 else ""
+
+
+def end_of_turn_id(tokenizer, source: str) -> int | None:
+    """The special token that ends an assistant's turn in this template (e.g. "<|im_end|>", "</s>"), or None."""
+    tail = end_of_turn_text(source, tokenizer.special_texts).strip()
+    ids = tokenizer.encode_special(tail) if tail else []
+    return ids[0] if ids and tokenizer.is_special(ids[0]) else None

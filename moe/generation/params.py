@@ -1,0 +1,115 @@
+"""One request's sampling parameters, named as in vLLM's `SamplingParams`, checked where the call is made."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20  # as vLLM's default limit and OpenAI's top_logprobs
+SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes any 64-bit value; keep it one JSON-safe signed integer
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one prompt's generation does. `temperature` 0 is greedy; `top_k` 0 (or -1, vLLM's spelling) and
+    `top_p` 1 and `min_p` 0 are off. Penalties: `repetition_penalty` divides positive (multiplies negative) logits
+    of every token in the prompt or the output (transformers' and vLLM's definition); `presence_penalty` and
+    `frequency_penalty` subtract from the logits of output tokens once and per occurrence (OpenAI's). `stop`
+    strings end the text right before the first one; `stop_token_ids` end it without the token. `logprobs=N`:
+    the chosen token's log-probability and the N most likely tokens', from the model's raw distribution.
+    `seed` drives this prompt's own random stream: its samples do not depend on the rest of the batch."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = 0
+    stop: tuple[str, ...] = field(default=())
+    stop_token_ids: tuple[int, ...] = field(default=())
+    logprobs: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        """A bad value is refused in one line naming it and its range, before any rank sees it."""
+        for name in ("max_new_tokens", "top_k", "seed"):
+            _integer(name, getattr(self, name))
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            _number(name, getattr(self, name))
+        _within("max_new_tokens", self.max_new_tokens, 1, math.inf, "at least 1")
+        _within("temperature", self.temperature, 0, math.inf, ">= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _within("top_k", self.top_k, -1, math.inf, ">= 0 (0 or -1: off)")
+        _within("min_p", self.min_p, 0, 1, "in [0, 1]")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1: off), got {self.repetition_penalty}")
+        _within("presence_penalty", self.presence_penalty, -2, 2, "in [-2, 2]")
+        _within("frequency_penalty", self.frequency_penalty, -2, 2, "in [-2, 2]")
+        _within("seed", self.seed, 0, SEED_LIMIT - 1, "in [0, 2**63)")
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+        object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs)
+            _within("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def penalised(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def filtered(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
+
+def _integer(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
+def _number(name: str, value: object) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def _within(name: str, value: float, low: float, high: float, says: str) -> None:
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be {says}, got {value}")
+
+
+def _stop_strings(stop: object) -> tuple[str, ...]:
+    items = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
+        raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    return tuple(items)
+
+
+def _token_ids(ids: object) -> tuple[int, ...]:
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                     for i in ids):
+        raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), got {ids!r}")
+    return tuple(ids)
+
+
+def per_prompt_seeds(seed: int | list[int] | None, prompts: int) -> list[int] | None:
+    """One seed per prompt: the given one for each, or the given list; None where fresh ones are to be drawn."""
+    if seed is None:
+        return None
+    seeds = seed if isinstance(seed, list) else [seed] * prompts
+    if len(seeds) != prompts:
+        raise ValueError(f"seed: {len(seeds)} seeds for {prompts} prompts; give one, or one per prompt")
+    for s in seeds:
+        _integer("seed", s)
+        _within("seed", s, 0, SEED_LIMIT - 1, "in [0, 2**63)")
+    return seeds

@@ -1,0 +1,114 @@
+"""The next token of every row from its logits, each row under its own parameters and its own random stream.
+
+Order, as transformers' and vLLM's: penalties on the raw logits (repetition over prompt and output, presence and
+frequency over the output), then temperature, top-k, top-p, min-p (each on what the previous left), then a draw.
+The draw is argmax(p / e) with e ~ Exp(1) drawn from the row's own generator (the exponential race, as vLLM draws
+per-request seeds): the same as sampling from p, and a row's tokens depend only on its prompt, parameters and seed,
+never on the other rows. Log-probabilities are the raw distribution's (vLLM's default). All of it stays on the
+logits' device; the tokens and log-probabilities come back packed in one tensor for the step's one broadcast.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe.generation.params import SamplingParams
+
+
+class Sampler:
+    def __init__(self, params: list[SamplingParams], prompts: list[list[int]], vocab_size: int,
+                 device: torch.device) -> None:
+        self.params, self.device, B = params, device, len(params)
+
+        def column(name: str, dtype=torch.float32) -> torch.Tensor:
+            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)[:, None]
+
+        self.sampled = [b for b, p in enumerate(params) if not p.greedy]
+        temperature = column("temperature")
+        self.greedy_B = temperature[:, 0] == 0
+        self.temperature = torch.where(temperature == 0, 1.0, temperature)  # greedy rows take the argmax
+        self.filters = any(p.filtered for p in params if not p.greedy)
+        self.top_k, self.top_p, self.min_p = column("top_k", torch.long), column("top_p"), column("min_p")
+        self.generators = {b: torch.Generator(device=device).manual_seed(params[b].seed) for b in self.sampled}
+        self.repetition = column("repetition_penalty") if any(p.repetition_penalty != 1 for p in params) else None
+        self.seen_BV = None
+        if self.repetition is not None:  # prompt tokens count for the repetition penalty
+            self.seen_BV = torch.zeros(B, vocab_size, dtype=torch.bool, device=device)
+            for b, prompt in enumerate(prompts):
+                self.seen_BV[b, torch.tensor(prompt, device=device)] = True
+        self.counts_BV = None
+        if any(p.presence_penalty or p.frequency_penalty for p in params):
+            self.counts_BV = torch.zeros(B, vocab_size, dtype=torch.float32, device=device)
+            self.presence, self.frequency = column("presence_penalty"), column("frequency_penalty")
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        self.top_logprobs = max(asked) if asked else None
+
+    @property
+    def packed_width(self) -> int:
+        """Values per row in the packed result: the token, then (with log-probabilities) the chosen one's and the
+        top-N's as float32 bits, and the top-N's ids."""
+        return 1 if self.top_logprobs is None else 2 + 2 * self.top_logprobs
+
+    def __call__(self, logits_BV: torch.Tensor) -> torch.Tensor:
+        """[B, packed_width] int64: the next token of each row, and its log-probabilities when asked."""
+        raw_BV = logits_BV.float()
+        logits_BV = self.penalise(raw_BV)
+        tokens_B = logits_BV.argmax(dim=-1)
+        if self.sampled:
+            tokens_B = torch.where(self.greedy_B, tokens_B, self.draw(logits_BV / self.temperature))
+        if self.top_logprobs is None:
+            return tokens_B[:, None]
+        logp_BV = raw_BV.log_softmax(dim=-1)
+        chosen_B1 = logp_BV.gather(1, tokens_B[:, None])
+        top = logp_BV.topk(self.top_logprobs, dim=-1)
+        bits = torch.cat([chosen_B1, top.values], dim=1).view(torch.int32).long()
+        return torch.cat([tokens_B[:, None], bits, top.indices], dim=1)
+
+    def penalise(self, logits_BV: torch.Tensor) -> torch.Tensor:
+        if self.seen_BV is not None:
+            scaled = torch.where(logits_BV > 0, logits_BV / self.repetition, logits_BV * self.repetition)
+            logits_BV = torch.where(self.seen_BV, scaled, logits_BV)
+        if self.counts_BV is not None:
+            logits_BV = (logits_BV - self.frequency * self.counts_BV
+                         - self.presence * (self.counts_BV > 0).float())
+        return logits_BV
+
+    def draw(self, logits_BV: torch.Tensor) -> torch.Tensor:
+        order_BV = None
+        if self.filters:
+            logits_BV, order_BV = self.filter(logits_BV)
+        probs_BV = logits_BV.softmax(dim=-1)
+        race_BV = torch.ones_like(probs_BV)
+        for b, generator in self.generators.items():
+            race_BV[b].exponential_(generator=generator)
+        chosen_B = (probs_BV / race_BV).argmax(dim=-1)
+        return chosen_B if order_BV is None else order_BV.gather(1, chosen_B[:, None])[:, 0]
+
+    def filter(self, logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """top-k, then top-p over what top-k kept, then min-p; in sorted order (returned with the order)."""
+        sorted_BV, order_BV = logits_BV.sort(dim=-1, descending=True, stable=True)
+        V = sorted_BV.shape[-1]
+        rank_V = torch.arange(V, device=logits_BV.device)
+        keep_k = torch.where(self.top_k > 0, self.top_k, V)
+        sorted_BV = sorted_BV.masked_fill(rank_V >= keep_k, float("-inf"))
+        probs_BV = sorted_BV.softmax(dim=-1)
+        # a token goes when the tokens before it already cover top_p; the first always stays
+        covered = (probs_BV.cumsum(-1) - probs_BV > self.top_p) & (self.top_p < 1)
+        sorted_BV = sorted_BV.masked_fill(covered, float("-inf"))
+        probs_BV = sorted_BV.softmax(dim=-1)
+        sorted_BV = sorted_BV.masked_fill(probs_BV < self.min_p * probs_BV[:, :1], float("-inf"))
+        return sorted_BV, order_BV
+
+    def update(self, tokens_B: torch.Tensor) -> None:
+        """The step's shared tokens join each row's history (for the penalties)."""
+        if self.seen_BV is not None:
+            self.seen_BV.scatter_(1, tokens_B[:, None], True)
+        if self.counts_BV is not None:
+            self.counts_BV.scatter_add_(1, tokens_B[:, None], torch.ones_like(tokens_B[:, None], dtype=torch.float32))
+
+
+def unpack_logprobs(row: list[int], top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The chosen token's log-probability and the top-`top` (id, log-probability) from a packed row (no token)."""
+    values = torch.tensor(row[:1 + top], dtype=torch.int64).to(torch.int32).view(torch.float32).tolist()
+    ids = row[1 + top:1 + 2 * top]
+    return values[0], list(zip(ids, values[1:], strict=True))

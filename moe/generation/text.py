@@ -1,0 +1,74 @@
+"""Stop strings in a row's generated text, found as tokens arrive, and the text that is safe to stream.
+
+A stop string can span several tokens and a streamed piece's boundary, so the stream holds back the text's last
+(longest stop - 1) characters until the next token says whether they begin a stop string (as vLLM does). The same
+object, fed the same tokens, decides on every rank that a row has stopped and what the caller's stream shows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from moe.tokenizer import IncrementalDecoder, Tokenizer
+
+
+class StopText:
+    def __init__(self, tokenizer: Tokenizer, prompt: list[int], stops: tuple[str, ...]) -> None:
+        self.decoder = IncrementalDecoder(tokenizer, prompt)
+        self.stops, self.hold = stops, max((len(s) for s in stops), default=1) - 1
+        self.text, self.emitted, self.searched = "", 0, 0
+        self.hit: str | None = None
+
+    def push(self, token: int) -> str:
+        """Text to stream after `token` (maybe ""); `self.hit` is the stop string once one is found."""
+        if self.hit is not None:
+            return ""
+        self.text += self.decoder.push(token)
+        start = max(0, self.searched - self.hold)
+        found = [(i, s) for s in self.stops if (i := self.text.find(s, start)) >= 0]
+        self.searched = len(self.text)
+        if found:
+            at, self.hit = min(found)
+            self.text = self.text[:at]
+            return self.rest()
+        end = max(self.emitted, len(self.text) - self.hold)
+        piece, self.emitted = self.text[self.emitted:end], end
+        return piece
+
+    def rest(self) -> str:
+        """What the stream still holds back (at the row's end; with an incomplete last character's mark, as the
+        returned text has it)."""
+        if self.hit is None:
+            self.text += self.decoder.flush()
+        piece, self.emitted = self.text[self.emitted:], len(self.text)
+        return piece
+
+
+def cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str | None]:
+    """`text` up to the first stop string, and that string (None if none occurs)."""
+    found = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+    if not found:
+        return text, None
+    at, stop = min(found)
+    return text[:at], stop
+
+
+class TextStreams:
+    """A caller's streamer fed text pieces (text prompts) or token ids (token-id prompts) as tokens arrive."""
+
+    def __init__(self, tokenizer: Tokenizer | None, prompts: list[list[int]], stop: tuple[str, ...],
+                 streamer: Callable[[int, str | int], None], is_text: bool) -> None:
+        self.streamer = streamer
+        self.texts = [StopText(tokenizer, p, stop) for p in prompts] if is_text else None
+
+    def on_token(self, b: int, token: int) -> None:
+        if self.texts is None:
+            self.streamer(b, token)
+        elif piece := self.texts[b].push(token):
+            self.streamer(b, piece)
+
+    def finish(self) -> None:
+        """What was held back for stop strings, at the end."""
+        for b, text in enumerate(self.texts or []):
+            if piece := text.rest():
+                self.streamer(b, piece)

@@ -1,0 +1,161 @@
+"""Chat templates against transformers' `apply_chat_template` on the same tokenizer.json: found where transformers
+finds them, rendered under its rules, tokenized with special-token text mapped to ids; and `model.chat`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moe import MoEModel
+from moe.chat.template import NoChatTemplate
+from tests.checkpoints import tiny_config, write_checkpoint
+
+SPECIAL = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "[INST]", "[/INST]"]
+
+# Mixtral-8x7B-Instruct's template, as its tokenizer_config.json ships it
+MIXTRAL = ("{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+           "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+           "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+           "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}"
+           "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}")
+
+# ChatML with whitespace control, a thinking switch, tools through tojson, and blocks on their own lines (trim_blocks
+# and lstrip_blocks decide what those lines leave)
+CHATML = """{%- if tools %}
+<|im_start|>system
+Tools: {{ tools | tojson }}<|im_end|>
+{% endif %}
+{% for message in messages %}
+    {% if message.role == 'system' and loop.first %}
+<|im_start|>system
+{{ message.content }}<|im_end|>
+    {% else %}
+<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+    {% endif %}
+{% endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}
+{%- endif %}
+"""
+
+CONVERSATION = [{"role": "system", "content": "Be brief. Café & <b>"}, {"role": "user", "content": "Who is Emma?"},
+                {"role": "assistant", "content": "A young woman."}, {"role": "user", "content": "And Mr Knightley?"}]
+TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune Emma " * 30
+
+
+def tokenizer_dir(directory, template_config=None, jinja=None):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT], trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": False}
+    if template_config is not None:
+        config["chat_template"] = template_config
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    if jinja is not None:
+        (directory / "chat_template.jinja").write_text(jinja)
+    return directory
+
+
+def checkpoint(tmp_path, **kw):
+    return tokenizer_dir(write_checkpoint(tmp_path / "ckpt", tiny_config(vocab_size=300)), **kw)
+
+
+def both(path):
+    transformers = pytest.importorskip("transformers")
+    return MoEModel.from_pretrained(path), transformers.AutoTokenizer.from_pretrained(path)
+
+
+CASES = {"mixtral": (MIXTRAL, CONVERSATION[1:], {}), "chatml": (CHATML, CONVERSATION, {}),
+         "chatml-no-thinking": (CHATML, CONVERSATION, {"enable_thinking": False}),
+         "chatml-tools": (CHATML, CONVERSATION, {"tools": [{"type": "function", "function": {"name": "ö"}}]})}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_text_and_ids_equal_transformers(tmp_path, case, generation_prompt):
+    template, messages, extra = CASES[case]
+    ours, theirs = both(checkpoint(tmp_path, template_config=template))
+    kw = dict(add_generation_prompt=generation_prompt, **extra)
+    text = ours.tokenizer.apply_chat_template(messages, tokenize=False, **kw)
+    assert text == theirs.apply_chat_template(messages, tokenize=False, **kw)
+    assert ours.tokenizer.apply_chat_template(messages, **kw) == dict(theirs.apply_chat_template(messages, **kw))
+    ids = ours.tokenizer.apply_chat_template(messages, return_dict=False, **kw)
+    assert ids == theirs.apply_chat_template(messages, return_dict=False, **kw)
+    specials = {theirs.convert_tokens_to_ids(t) for t in SPECIAL}
+    assert specials & set(ids)  # special-token text became its id
+    batch = [messages, messages[:2]]
+    assert (ours.tokenizer.apply_chat_template(batch, tokenize=False, **kw)
+            == theirs.apply_chat_template(batch, tokenize=False, **kw))
+
+
+def test_chat_template_jinja_comes_before_tokenizer_config(tmp_path):
+    ours, theirs = both(checkpoint(tmp_path, template_config=MIXTRAL, jinja=CHATML))
+    text = ours.tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    assert text.startswith("<|im_start|>system") and text == theirs.apply_chat_template(CONVERSATION, tokenize=False)
+
+
+def test_named_templates_take_default_unless_named(tmp_path):
+    named = [{"name": "default", "template": MIXTRAL}, {"name": "tool_use", "template": CHATML}]
+    ours, theirs = both(checkpoint(tmp_path, template_config=named))
+    for name in (None, "tool_use"):
+        assert (ours.tokenizer.apply_chat_template(CONVERSATION[1:], tokenize=False, chat_template=name)
+                == theirs.apply_chat_template(CONVERSATION[1:], tokenize=False, chat_template=name))
+
+
+def test_the_templates_own_refusal_is_one_line(tmp_path):
+    model = MoEModel.from_pretrained(checkpoint(tmp_path, template_config=MIXTRAL))
+    with pytest.raises(ValueError, match="roles must alternate"):
+        model.tokenizer.apply_chat_template([{"role": "assistant", "content": "x"}])
+    with pytest.raises(ValueError, match="message 0 must be a dict"):
+        model.chat(["hello"])
+
+
+def test_a_checkpoint_without_a_template_says_how_to_give_one(tmp_path):
+    model = MoEModel.from_pretrained(checkpoint(tmp_path))
+    with pytest.raises(NoChatTemplate, match="--chat-template FILE"):
+        model.chat([{"role": "user", "content": "hi"}])
+
+
+def test_the_sandbox_refuses_what_templates_must_not_do(tmp_path):
+    evil = "{{ messages.__class__.__mro__ }}"
+    model = MoEModel.from_pretrained(checkpoint(tmp_path, template_config=evil))
+    with pytest.raises(ValueError, match="chat template"):
+        model.tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+
+
+def steer_towards(path, token: int, like: int) -> None:
+    """Make `token` the head's choice wherever `like` was a positive choice: its head row twice `like`'s."""
+    from safetensors.torch import load_file, save_file
+
+    for f in path.glob("*.safetensors"):
+        tensors = load_file(f)
+        if "lm_head.weight" in tensors:
+            tensors["lm_head.weight"][token] = 2 * tensors["lm_head.weight"][like]
+            save_file(tensors, f, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("template, turn_end", [(CHATML, "<|im_end|>"), (MIXTRAL, "</s>")], ids=["chatml", "mixtral"])
+def test_chat_replies_stop_at_the_templates_end_of_turn(tmp_path, template, turn_end):
+    path = checkpoint(tmp_path, template_config=template)
+    messages = CONVERSATION[1:2]
+    with MoEModel.from_pretrained(path) as model:
+        end = model.tokenizer.encode_special(turn_end)[0]
+        prompt = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        free = model.generate([prompt], max_new_tokens=12, ignore_eos=True, temperature=0)[0]
+    steer_towards(path, end, free.token_ids[6])
+    with MoEModel.from_pretrained(path) as model:
+        free = model.generate([prompt], max_new_tokens=12, ignore_eos=True, temperature=0)[0]
+        assert end in free.token_ids  # the steered model writes the end of its turn
+        reply = model.chat(messages, max_new_tokens=12, temperature=0)
+        assert reply.token_ids == free.token_ids[:free.token_ids.index(end)] and reply.finish_reason == "stop"
+        assert isinstance(reply, str) and reply == model.tokenizer.decode_continuation(prompt, reply.token_ids)
+        assert model.chat([messages, CONVERSATION[1:4]], max_new_tokens=12, temperature=0)[0] == reply

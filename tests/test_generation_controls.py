@@ -1,0 +1,169 @@
+"""Sampling controls and results against outside oracles: transformers' generate and logits processors for
+penalties, filters and log-probabilities; stop strings, stop ids and finish reasons on the trained model's text;
+per-request seeds alone, in batches and on 2 ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe import MoEModel
+from tests.checkpoints import TRAINED, hf_model
+
+PROMPTS = [[1, 17, 99, 5, 42, 7], [1, 64, 3, 12], [1, 88, 23, 51, 9, 30, 77, 4, 11]]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    hf = hf_model("mixtral")
+    path = tmp_path_factory.mktemp("hf") / "ckpt"
+    hf.save_pretrained(path)
+    with MoEModel.from_pretrained(path) as model:
+        yield hf, model
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.8])
+def test_repetition_penalty_greedy_equals_transformers(pair, penalty):
+    hf, model = pair
+    got = model.generate(PROMPTS, max_new_tokens=16, temperature=0, repetition_penalty=penalty, ignore_eos=True)
+    for prompt, out in zip(PROMPTS, got, strict=True):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0,
+                               repetition_penalty=penalty, eos_token_id=None)[0, len(prompt):].tolist()
+        assert list(out) == want
+
+
+def test_presence_and_frequency_penalties_equal_a_step_by_step_reference(pair):
+    hf, model = pair
+    presence, frequency = 0.7, 0.4
+    got = model.generate(PROMPTS, max_new_tokens=12, temperature=0, presence_penalty=presence,
+                         frequency_penalty=frequency, ignore_eos=True)
+    for prompt, out in zip(PROMPTS, got, strict=True):
+        ids, counts = list(prompt), {}
+        for _ in range(12):
+            logits = hf_logits(hf, ids)[-1]
+            for t, n in counts.items():  # OpenAI's definition: over the generated tokens only
+                logits[t] -= frequency * n + presence
+            t = int(logits.argmax())
+            counts[t] = counts.get(t, 0) + 1
+            ids.append(t)
+        assert list(out) == ids[len(prompt):]
+
+
+def test_logprobs_equal_transformers_log_softmax(pair):
+    hf, model = pair
+    got = model.generate(PROMPTS[:2], max_new_tokens=8, temperature=0.9, seed=4, logprobs=3, ignore_eos=True)
+    for prompt, out in zip(PROMPTS[:2], got, strict=True):
+        want = hf_logits(hf, prompt + out.token_ids).log_softmax(-1)[len(prompt) - 1:-1]
+        assert len(out.logprobs) == len(out.token_ids) == 8
+        for step, entry in enumerate(out.logprobs):
+            assert entry.token == out.token_ids[step]
+            assert abs(entry.logprob - want[step, entry.token].item()) < 1e-4
+            top = want[step].topk(3)
+            assert [i for i, _ in entry.top] == top.indices.tolist()
+            assert max(abs(v - w) for (_, v), w in zip(entry.top, top.values.tolist(), strict=True)) < 1e-4
+
+
+FILTERS = {"top_k": dict(top_k=3), "top_p": dict(top_p=0.5), "min_p": dict(min_p=0.3),
+           "all": dict(top_k=5, top_p=0.8, min_p=0.1)}
+
+
+@pytest.mark.parametrize("name", FILTERS)
+def test_samples_lie_in_the_set_transformers_allows(pair, name):
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    hf, model = pair
+    given = FILTERS[name]
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(1.5)])
+    warpers += [TopKLogitsWarper(given["top_k"])] if "top_k" in given else []
+    warpers += [TopPLogitsWarper(given["top_p"])] if "top_p" in given else []
+    warpers += [MinPLogitsWarper(given["min_p"])] if "min_p" in given else []
+    kept = []
+    for seed in range(4):
+        out = model.generate(PROMPTS[:2], max_new_tokens=10, temperature=1.5, seed=seed, ignore_eos=True, **given)
+        for prompt, o in zip(PROMPTS[:2], out, strict=True):
+            ids = prompt + o.token_ids
+            logits = hf_logits(hf, ids)[len(prompt) - 1:-1]
+            for step, token in enumerate(o.token_ids):
+                scores = warpers(torch.tensor([ids[:len(prompt) + step]]), logits[step:step + 1].clone())[0]
+                assert scores[token] > float("-inf"), (seed, step, token)
+                kept.append(int((scores > float("-inf")).sum()))
+    assert max(kept) > 1  # the filters left a choice: the draws were tested, not forced
+
+
+def test_a_seeded_request_samples_alike_alone_in_a_batch_and_on_two_ranks(pair, tmp_path):
+    hf, model = pair
+    a, b = PROMPTS[0], PROMPTS[2]
+    kw = dict(max_new_tokens=10, temperature=1.0, top_k=20, seed=11, ignore_eos=True)
+    alone = model.generate([a], **kw)[0]
+    assert model.generate([a, b], **kw)[0] == alone
+    assert model.generate([b, a], **kw)[1] == alone
+    assert model.generate([b, a], **kw | dict(seed=[5, 11]))[1] == alone  # a seed per prompt
+    hf.save_pretrained(tmp_path / "ckpt")
+    with MoEModel.from_pretrained(tmp_path / "ckpt", gpus=2) as sharded:
+        assert sharded.generate([b, a], **kw)[1] == alone
+
+
+@pytest.fixture(scope="module")
+def trained():
+    with MoEModel.from_pretrained(TRAINED) as model:
+        yield model
+
+
+PROMPT = "It is a truth universally acknowledged, that"
+
+
+def test_a_stop_string_across_tokens_ends_the_text_before_it(trained):
+    full = trained.generate([PROMPT], max_new_tokens=24, temperature=0)[0]
+    assert full.finish_reason == "length" and full.stop_reason is None and len(full.token_ids) == 24
+    pieces = [trained.tokenizer.decode_continuation(trained.tokenizer.encode(PROMPT), full.token_ids[:n])
+              for n in range(1, 25)]
+    # a stop string from the middle of one token's text into the next's
+    n = next(i for i in range(2, 20) if len(pieces[i]) - len(pieces[i - 1]) >= 2)
+    stop = pieces[n][len(pieces[n - 1]) - 1:len(pieces[n - 1]) + 1]
+    assert full.index(stop) == len(pieces[n - 1]) - 1
+    streamed = []
+    got = trained.generate([PROMPT], max_new_tokens=24, temperature=0, stop=["zzz", stop],
+                           streamer=lambda b, piece: streamed.append(piece))[0]
+    assert got == full[:full.index(stop)]
+    assert "".join(streamed) == got  # held back at the piece boundary, never shown
+    assert got.finish_reason == "stop" and got.stop_reason == stop
+    assert got.token_ids == full.token_ids[:n + 1]  # the stop string's last token was generated
+
+
+def test_stop_token_ids_end_without_the_token(trained):
+    full = trained.generate([PROMPT, "And"], max_new_tokens=16, temperature=0)
+    token = full[0].token_ids[5]
+    first = full[0].token_ids.index(token)
+    got = trained.generate([PROMPT, "And"], max_new_tokens=16, temperature=0, stop_token_ids=[token])
+    assert got[0].token_ids == full[0].token_ids[:first]
+    assert (got[0].finish_reason, got[0].stop_reason) == ("stop", token)
+    assert got[0] == full[0][:len(got[0])]
+    assert got[1].token_ids == full[1].token_ids[:full[1].token_ids.index(token)] if token in full[1].token_ids \
+        else got[1].finish_reason == "length"
+
+
+def test_token_prompts_return_ids_with_their_text(trained):
+    ids = trained.tokenizer.encode(PROMPT)
+    out = trained.generate([ids], max_new_tokens=6, temperature=0)[0]
+    assert list(out) == out.token_ids and out.text == trained.generate([PROMPT], max_new_tokens=6)[0]
+    assert out.prompt_tokens == len(ids) and out.completion_tokens == 6
+
+
+@pytest.mark.parametrize("bad", [dict(stop=[""]), dict(min_p=2), dict(logprobs=-1), dict(seed=[1, 2]),
+                                 dict(repetition_penalty=-1), dict(presence_penalty="a")])
+def test_bad_values_are_refused_and_the_model_stays_usable(trained, bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        trained.generate([PROMPT], max_new_tokens=4, **bad)
+    assert trained.generate([PROMPT], max_new_tokens=2)[0].finish_reason == "length"
