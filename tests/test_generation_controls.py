@@ -167,3 +167,17 @@ def test_bad_values_are_refused_and_the_model_stays_usable(trained, bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         trained.generate([PROMPT], max_new_tokens=4, **bad)
     assert trained.generate([PROMPT], max_new_tokens=2)[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("attention", ["layer", "replicated"])
+def test_stop_strings_and_logprobs_on_two_rank_processes(trained, attention):
+    """The ranks read the tokenizer to find stop strings; the head's rank (rank 1 under layer placement) sends
+    the log-probabilities with the tokens."""
+    kw = dict(max_new_tokens=16, temperature=0.7, seed=[1, 2], stop=["ou", "ss"], logprobs=2)
+    one = trained.generate([PROMPT, "And"], **kw)
+    with MoEModel.from_pretrained(TRAINED, gpus=2, attention=attention) as sharded:
+        two = sharded.generate([PROMPT, "And"], **kw)
+    for a, b in zip(one, two, strict=True):
+        assert (a, a.token_ids, a.finish_reason, a.stop_reason) == (b, b.token_ids, b.finish_reason, b.stop_reason)
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+    assert any(a.stop_reason in ("ou", "ss") for a in one)  # a stop string was met

@@ -91,3 +91,35 @@ def test_compiled_steps_give_the_one_process_tokens(layout, ranks):
     one = script("generate", *args)
     assert run.returncode == 0 and one.returncode == 0, (run.stderr + one.stderr)[-3000:]
     assert continuation(run.stdout) == continuation(one.stdout)
+
+
+CONTROLS = """
+import json, sys
+from moe import MoEModel
+model = MoEModel.from_pretrained(sys.argv[1])
+out = model.generate([{prompt!r}, "And"], max_new_tokens=12, temperature=0.8, top_k=20, seed=[3, 4], stop=["ou", "zz"],
+                     logprobs=2, repetition_penalty=1.2)
+template = "{{% for m in messages %}}<{{{{ m.role }}}}> {{{{ m.content }}}}\\n{{% endfor %}}<assistant> "
+reply = model.chat([{{"role": "user", "content": "Who is Emma?"}}], max_new_tokens=6, chat_template=template,
+                   temperature=0)
+if model.rank == 0:
+    print(json.dumps([[o, o.token_ids, o.finish_reason, o.stop_reason, [e.logprob for e in o.logprobs]] for o in out]
+                     + [[reply, reply.token_ids]]))
+model.close()
+"""
+
+
+def test_sampling_controls_and_chat_under_torchrun_give_the_one_process_results(tmp_path):
+    path = tmp_path / "controls.py"
+    path.write_text(CONTROLS.format(prompt=PROMPT))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    runs = [subprocess.run([*launcher, str(path), str(TRAINED)], capture_output=True, text=True, timeout=300, env=env)
+            for launcher in ([sys.executable],
+                             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    one, two = (json.loads(run.stdout.strip().splitlines()[-1]) for run in runs)
+    assert [row[:4] for row in one] == [row[:4] for row in two]
+    for a, b in zip(one[:2], two[:2], strict=True):
+        assert max(abs(x - y) for x, y in zip(a[4], b[4], strict=True)) < 1e-4
+    assert [row[2:4] for row in one[:2]] == [["stop", "ou"], ["stop", "ou"]]  # the stop string was met

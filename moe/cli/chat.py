@@ -14,6 +14,7 @@ import sys
 from moe.api import MoEModel
 from moe.chat.template import read_template_file
 from moe.cli.common import add_model_args, add_sampling_args, run_command, sampling_args
+from moe.parallel.distributed import under_torchrun
 from moe.tokenizer import load_tokenizer
 
 EXAMPLES = """examples:
@@ -40,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def chat(args: argparse.Namespace) -> int:
+    if under_torchrun():
+        raise ValueError("chat.py reads its turns on one process; under torchrun start the ranks with --gpus N "
+                         "instead (or call model.chat with the same messages on every rank)")
     template = read_template_file(args.chat_template) if args.chat_template else None
     sampling = sampling_args(args)
     tokenizer = load_tokenizer(args.ckpt)
