@@ -105,32 +105,38 @@ class Rows:
         self.width = 1 if self.top is None else 2 + 2 * self.top  # Sampler.packed_width, known on every rank
 
     def take(self, b: int, packed: list[int], on_token: Callable[[int, int], None] | None) -> None:
-        row, p, token = self.out[b], self.params[b], packed[0]
-        if row.finish_reason is not None:
-            return
-        if token in self.eos and not p.ignore_eos:
-            row.finish_reason = "stop"
-            return
-        if token in p.stop_token_ids:
-            row.finish_reason, row.stop_reason = "stop", token
-            return
-        row.tokens.append(token)
-        if row.logprobs is not None:
-            chosen, top = unpack_logprobs(packed[1:], self.top)
-            row.logprobs.append((chosen, top[:p.logprobs]))
-        if on_token:
-            on_token(b, token)
-        text = self.texts[b]
-        if text is not None:
-            text.push(token)
-        if text is not None and text.hit is not None:
-            row.finish_reason, row.stop_reason = "stop", text.hit
-        elif len(row.tokens) >= p.max_new_tokens:
-            row.finish_reason = "length"
+        if advance(self.out[b], self.params[b], self.eos, self.texts[b], packed, self.top) is not None and on_token:
+            on_token(b, packed[0])
 
     @property
     def done(self) -> bool:
         return all(r.finish_reason is not None for r in self.out)
+
+
+def advance(row: RowOutput, params: SamplingParams, eos: tuple[int, ...], text: StopText | None, packed: list[int],
+            top: int | None) -> str | None:
+    """One shared token for a row: None where the row had ended or the token ends it (EOS, a stop token: not
+    kept); else the token is kept and this returns the text a stream may show now ("" without a stop text). The
+    row ends after it at a stop string or its max_new_tokens."""
+    token = packed[0]
+    if row.finish_reason is not None:
+        return None
+    if token in eos and not params.ignore_eos:
+        row.finish_reason = "stop"
+        return None
+    if token in params.stop_token_ids:
+        row.finish_reason, row.stop_reason = "stop", token
+        return None
+    row.tokens.append(token)
+    if row.logprobs is not None:
+        chosen, best = unpack_logprobs(packed[1:], top)
+        row.logprobs.append((chosen, best[:params.logprobs]))
+    piece = text.push(token) if text is not None else ""
+    if text is not None and text.hit is not None:
+        row.finish_reason, row.stop_reason = "stop", text.hit
+    elif len(row.tokens) >= params.max_new_tokens:
+        row.finish_reason = "length"
+    return piece
 
 
 def stops(params: SamplingParams | list[SamplingParams]) -> bool:

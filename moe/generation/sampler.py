@@ -17,7 +17,10 @@ from moe.generation.params import SamplingParams
 
 class Sampler:
     def __init__(self, params: list[SamplingParams], prompts: list[list[int]], vocab_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, outputs: list[list[int]] | None = None,
+                 generators: list[torch.Generator | None] | None = None) -> None:
+        """`outputs`: tokens each row generated so far (for the penalties), `generators`: rows' streams that
+        already drew (a server's sequences, resumed in a new batch); fresh ones are seeded from the params."""
         self.params, self.device, B = params, device, len(params)
 
         def column(name: str, dtype=torch.float32) -> torch.Tensor:
@@ -29,16 +32,23 @@ class Sampler:
         self.temperature = torch.where(temperature == 0, 1.0, temperature)  # greedy rows take the argmax
         self.filters = any(p.filtered for p in params if not p.greedy)
         self.top_k, self.top_p, self.min_p = column("top_k", torch.long), column("top_p"), column("min_p")
-        self.generators = {b: torch.Generator(device=device).manual_seed(params[b].seed) for b in self.sampled}
+        given = generators or [None] * B
+        self.generators = {b: given[b] or torch.Generator(device=device).manual_seed(params[b].seed)
+                           for b in self.sampled}
+        outputs = outputs or [[] for _ in params]
         self.repetition = column("repetition_penalty") if any(p.repetition_penalty != 1 for p in params) else None
         self.seen_BV = None
         if self.repetition is not None:  # prompt tokens count for the repetition penalty
             self.seen_BV = torch.zeros(B, vocab_size, dtype=torch.bool, device=device)
-            for b, prompt in enumerate(prompts):
-                self.seen_BV[b, torch.tensor(prompt, device=device)] = True
+            for b, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+                self.seen_BV[b, torch.tensor(prompt + output, dtype=torch.long, device=device)] = True
         self.counts_BV = None
         if any(p.presence_penalty or p.frequency_penalty for p in params):
             self.counts_BV = torch.zeros(B, vocab_size, dtype=torch.float32, device=device)
+            for b, output in enumerate(outputs):
+                if output:
+                    self.counts_BV[b].index_add_(0, torch.tensor(output, device=device), torch.ones(len(output),
+                                                                                                     device=device))
             self.presence, self.frequency = column("presence_penalty"), column("frequency_penalty")
         asked = [p.logprobs for p in params if p.logprobs is not None]
         self.top_logprobs = max(asked) if asked else None

@@ -1,0 +1,250 @@
+"""The HTTP side (Starlette under uvicorn, on rank 0): OpenAI's endpoints, /health, /metrics, /tokenize and
+/detokenize. Each request becomes one `Request` per prompt in the scheduler; its tokens come back from the engine
+loop's thread through an asyncio queue. A client that goes away cancels its sequences at the next step."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from moe.chat.template import NoChatTemplate, end_of_turn_id
+from moe.serve import protocol
+from moe.serve.protocol import ApiError, log
+from moe.serve.scheduler import QueueFull, Request, Scheduler
+from moe.tokenizer import Tokenizer
+
+
+@dataclass
+class ServerState:
+    served: str
+    max_model_len: int
+    max_body_bytes: int
+    api_key: str | None = None
+    scheduler: Scheduler | None = None  # set once the model is loaded
+    tokenizer: Tokenizer | None = None
+    vocab_size: int = 0
+    dead: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class OpenAIServer:
+    """The endpoints, over the state the serving process shares with its engine loop."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    def app(self) -> Starlette:
+        def authorized(endpoint):
+            async def wrapped(request: HttpRequest) -> Response:
+                try:
+                    self.guarded(request, lambda _: None)
+                    if self.state.dead:
+                        raise ApiError(503, self.state.dead, kind="ServiceUnavailable")
+                    return await endpoint(request)
+                except ApiError as e:
+                    return JSONResponse(e.body(), e.status, headers=e.headers)
+                except Exception as e:  # a bug: said as one, in OpenAI's shape
+                    log.exception("internal error")
+                    failure = ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="InternalServerError")
+                    return JSONResponse(failure.body(), 500)
+            return wrapped
+
+        return Starlette(routes=[
+            Route("/health", self.health), Route("/metrics", self.metrics),
+            Route("/v1/models", authorized(self.models)),
+            Route("/tokenize", authorized(self.tokenize), methods=["POST"]),
+            Route("/detokenize", authorized(self.detokenize), methods=["POST"]),
+            Route("/v1/completions", authorized(self.completions), methods=["POST"]),
+            Route("/v1/chat/completions", authorized(self.chat), methods=["POST"])])
+
+    async def health(self, _: HttpRequest) -> Response:
+        if self.state.dead:
+            return JSONResponse({"status": "dead", "error": self.state.dead}, 503)
+        if self.state.scheduler is None:
+            return JSONResponse({"status": "loading"}, 503)
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: HttpRequest) -> Response:
+        return self.guarded(request, lambda _: JSONResponse({"object": "list", "data": [
+            {"id": self.state.served, "object": "model", "created": self.state.created, "owned_by": "moe-shard",
+             "max_model_len": self.state.max_model_len}]}))
+
+    async def metrics(self, _: HttpRequest) -> Response:
+        text = self.state.scheduler.metrics.text() if self.state.scheduler is not None else ""
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def tokenize(self, request: HttpRequest) -> Response:
+        body = protocol.check_fields(await self.read_json(request), "tokenize", self.state.served)
+        if "messages" in body:
+            ids = self.chat_ids(body)
+        elif isinstance(body.get("prompt"), str):
+            ids = self.state.tokenizer.encode(body["prompt"], bos=body.get("add_special_tokens", True))
+        else:
+            raise ApiError(400, "give 'prompt' (a string) or 'messages'", "prompt")
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.state.max_model_len})
+
+    async def detokenize(self, request: HttpRequest) -> Response:
+        body = protocol.check_fields(await self.read_json(request), "detokenize", self.state.served)
+        return JSONResponse({"prompt": self.state.tokenizer.decode(self.token_ids(body.get("tokens"), "tokens"))})
+
+    async def completions(self, request: HttpRequest) -> Response:
+        body = protocol.check_fields(await self.read_json(request), "completions", self.state.served)
+        return await self.run(request, "completions", body, self.prompts_of(body.get("prompt")), None)
+
+    async def chat(self, request: HttpRequest) -> Response:
+        body = protocol.check_fields(await self.read_json(request), "chat", self.state.served)
+        try:
+            template = self.state.tokenizer.chat_template()
+        except NoChatTemplate as e:
+            raise ApiError(400, str(e), "messages") from None
+        turn_end = end_of_turn_id(self.state.tokenizer, template)
+        return await self.run(request, "chat", body, [self.chat_ids(body)], turn_end)
+
+    def chat_ids(self, body: dict) -> list[int]:
+        try:
+            return self.state.tokenizer.apply_chat_template(body.get("messages"), add_generation_prompt=True,
+                                                       return_dict=False, **(body.get("chat_template_kwargs") or {}))
+        except ValueError as e:
+            raise ApiError(400, str(e), "messages") from None
+
+    def prompts_of(self, prompt: object) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [self.state.tokenizer.encode(prompt)]
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            return [self.state.tokenizer.encode(p) for p in prompt]
+        if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+            return [self.token_ids(p, "prompt") for p in prompt]
+        return [self.token_ids(prompt, "prompt")]
+
+    def token_ids(self, value: object, param: str) -> list[int]:
+        if not isinstance(value, list) or not value or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                               for t in value):
+            raise ApiError(400, f"{param} must be a string, a list of strings, or (lists of) token ids", param)
+        bad = [t for t in value if not 0 <= t < self.state.vocab_size]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (size {self.state.vocab_size})", param)
+        return value
+
+    async def run(self, request: HttpRequest, kind: str, body: dict, prompts: list[list[int]], turn_end) -> Response:
+        if self.state.scheduler is None:
+            raise ApiError(503, "the model is still loading", kind="ServiceUnavailable", headers={"Retry-After": "5"})
+        parsed = [protocol.sampling(body, kind, len(p), self.state.max_model_len, turn_end) for p in prompts]
+        loop, queues, submitted = asyncio.get_running_loop(), [], []
+        try:
+            for prompt, p in zip(prompts, parsed, strict=True):
+                queue: asyncio.Queue = asyncio.Queue()
+                sink = (lambda q: lambda event: loop.call_soon_threadsafe(q.put_nowait, event))(queue)
+                submitted.append(self.state.scheduler.submit(Request(prompt, p.params, sink)))
+                queues.append(queue)
+        except QueueFull as e:
+            for r in submitted:
+                self.state.scheduler.cancel(r)
+            raise ApiError(503, str(e), kind="ServiceUnavailable", headers={"Retry-After": "1"}) from None
+        rid = protocol.new_id(kind)
+        if parsed[0].stream:
+            return StreamingResponse(self.stream(request, kind, rid, submitted, queues, parsed[0].include_usage),
+                                     media_type="text/event-stream")
+        return await self.whole(request, kind, rid, submitted, queues)
+
+    async def whole(self, request, kind, rid, submitted, queues) -> Response:
+        choices, used = [], [0, 0]
+        try:
+            for i, (req, queue) in enumerate(zip(submitted, queues, strict=True)):
+                text, entries, out = await self.collect(request, queue)
+                choices.append(protocol.choice(kind, i, text, out, self.logprobs(kind, entries), delta=False))
+                used[0], used[1] = used[0] + len(req.prompt), used[1] + len(out.tokens)
+        finally:
+            for req in submitted:
+                self.state.scheduler.cancel(req)  # a no-op for finished ones; frees the rest if the client went away
+        return JSONResponse(protocol.envelope(kind, rid, self.state.served, choices, False, protocol.usage(*used)))
+
+    async def collect(self, request: HttpRequest, queue: asyncio.Queue):
+        pieces, entries = [], []
+        while True:
+            try:
+                event = await asyncio.wait_for(queue.get(), 0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise ApiError(499, "the client went away") from None
+                continue
+            if event[0] == "token":
+                pieces.append(event[2])
+                if event[3] is not None:
+                    entries.append((event[1], *event[3]))
+            elif event[0] == "end":
+                return "".join(pieces), entries if event[1].logprobs is not None else None, event[1]
+            else:
+                raise ApiError(503, event[1], kind="ServiceUnavailable")
+
+    async def stream(self, request, kind, rid, submitted, queues, include_usage):
+        merged: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(forward(i, q, merged)) for i, q in enumerate(queues)]
+        open_rows, completion = len(queues), 0
+        try:
+            if kind == "chat":
+                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}
+                yield sse(protocol.envelope(kind, rid, self.state.served, [first], True))
+            while open_rows:
+                i, event = await merged.get()
+                if event[0] == "token":
+                    completion += event[1] is not None
+                    entries = [(event[1], *event[3])] if event[3] is not None else None
+                    if event[2] or entries:
+                        part = protocol.choice(kind, i, event[2], None, self.logprobs(kind, entries), delta=True)
+                        yield sse(protocol.envelope(kind, rid, self.state.served, [part], True))
+                elif event[0] == "end":
+                    open_rows -= 1
+                    part = protocol.choice(kind, i, "", event[1], None, delta=True)
+                    yield sse(protocol.envelope(kind, rid, self.state.served, [part], True))
+                else:
+                    yield sse(ApiError(503, event[1], kind="ServiceUnavailable").body())
+                    open_rows -= 1
+            if include_usage:
+                use = protocol.usage(sum(len(r.prompt) for r in submitted), completion)
+                yield sse(protocol.envelope(kind, rid, self.state.served, [], True, use))
+            yield "data: [DONE]\n\n"
+        finally:  # finished, or the client went away: its sequences leave at the next step
+            for task in tasks:
+                task.cancel()
+            for req in submitted:
+                self.state.scheduler.cancel(req)
+
+    def logprobs(self, kind: str, entries):
+        return protocol.logprobs_object(kind, entries, lambda t: self.state.tokenizer.decode([t]))
+
+    async def read_json(self, request: HttpRequest) -> dict:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.state.max_body_bytes:
+            raise ApiError(413, f"the request body is over {self.state.max_body_bytes} bytes")
+        raw = await request.body()
+        if len(raw) > self.state.max_body_bytes:
+            raise ApiError(413, f"the request body is over {self.state.max_body_bytes} bytes")
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not JSON ({e})") from None
+
+    def guarded(self, request: HttpRequest, respond):
+        if self.state.api_key and request.headers.get("authorization") != f"Bearer {self.state.api_key}":
+            raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY)", kind="AuthenticationError")
+        return respond(request)
+
+
+async def forward(index: int, source: asyncio.Queue, merged: asyncio.Queue) -> None:
+    while True:
+        event = await source.get()
+        await merged.put((index, event))
+        if event[0] != "token":
+            return
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -1,0 +1,121 @@
+"""The server's running sequences on one rank: their rows of the engine's KV caches, on a clock they share.
+
+Every row writes the same cache column at a step (the clock), as a batch of `generate` does; a row's sequence
+begins at its own column (`pad`, the left padding of `moe.generation`), so positions, masks and RoPE are the ones a
+request gets alone. A sequence that joins is prefilled on its own into fresh rows that end at the clock (the clock
+moves on when its prompt is longer than the clock), then its rows are appended; one that leaves has its rows
+dropped. When the clock reaches the end of the cache, every row moves left by the earliest row's start: relative
+positions, and so the keys already rotated, stay valid. No sequence is ever recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from models.attention import KVCache, Padding
+from moe.generation import SamplingParams, left_pad
+from moe.generation.sampler import Sampler
+
+
+@dataclass
+class Row:
+    """One running sequence as every rank knows it (from the scheduler's plan and the shared tokens)."""
+
+    request: int
+    prompt: list[int]
+    params: SamplingParams
+    generated: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None  # the head's rank: this sequence's own random stream
+
+
+class RunningBatch:
+    def __init__(self, engine, length: int) -> None:
+        self.engine, self.length = engine, length
+        self.rows: list[Row] = []
+        self.pad: list[int] = []  # per row, the cache column its sequence begins at
+        self.clock = 0  # the column the next step writes
+        self.sampler: Sampler | None = None  # the head's rank: rebuilt when the rows change
+        self.engine.caches, self.engine.padding = {}, None
+
+    def leave(self, requests: set[int]) -> None:
+        keep = [i for i, row in enumerate(self.rows) if row.request not in requests]
+        if len(keep) == len(self.rows):
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self.engine.device)
+        self.engine.caches = {name: _rows(c, index) for name, c in self.engine.caches.items()} if keep else {}
+        self.rows, self.pad = [self.rows[i] for i in keep], [self.pad[i] for i in keep]
+        self.sampler = None
+        if not self.rows:
+            self.clock = 0
+        self._set_padding()
+
+    def join(self, rows: list[Row]) -> torch.Tensor | None:
+        """Prefill the new sequences into their own rows, ending at the clock, and append them: the logits of their
+        last prompt tokens (on the head's rank; None elsewhere)."""
+        longest = max(len(r.prompt) for r in rows)
+        if longest > self.clock:
+            self._shift(longest - self.clock)
+        running, tokens = self.engine.caches, left_pad([r.prompt for r in rows])[0]
+        pads = [self.clock - len(r.prompt) for r in rows]
+        self.engine.start(len(rows), self.length, torch.tensor(pads))
+        logits = self.engine.forward_last(tokens, self.clock - longest)
+        if running:
+            self.engine.caches = {name: _cat(running[name], c) for name, c in self.engine.caches.items()}
+        self.rows, self.pad, self.sampler = self.rows + rows, self.pad + pads, None
+        self._set_padding()
+        return logits
+
+    def step(self, tokens_B: torch.Tensor) -> torch.Tensor | None:
+        """One token per running sequence at the clock; the logits on the head's rank."""
+        if self.clock == self.length:
+            self._shift(-min(self.pad))
+        logits = self.engine.forward_last(tokens_B[:, None], self.clock)
+        self.clock += 1
+        return logits
+
+    def sample(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+        """The packed next tokens of `rows` (all running rows, or the ones just prefilled)."""
+        if rows is self.rows and self.sampler is not None:
+            return self.sampler(logits)
+        for row in rows:
+            if row.generator is None and not row.params.greedy:
+                row.generator = torch.Generator(device=logits.device).manual_seed(row.params.seed)
+        sampler = Sampler([r.params for r in rows], [r.prompt for r in rows], logits.shape[-1], logits.device,
+                          outputs=[r.generated for r in rows], generators=[r.generator for r in rows])
+        if rows is self.rows:
+            self.sampler = sampler
+        return sampler(logits)
+
+    def record(self, tokens: list[int], rows: list[Row], device_tokens: torch.Tensor) -> None:
+        for row, token in zip(rows, tokens, strict=True):
+            row.generated.append(token)
+        if self.sampler is not None and rows is self.rows:
+            self.sampler.update(device_tokens)
+
+    def _shift(self, by: int) -> None:
+        """Move every row's columns by `by` (right > 0, left < 0); the clock with them."""
+        if self.rows and by:
+            for cache in self.engine.caches.values():
+                for t in (cache.k, cache.v):
+                    moved = t[:, :, max(0, -by):self.length - max(0, by)].clone()
+                    t[:, :, max(0, by):self.length - max(0, -by)] = moved
+            self.pad = [p + by for p in self.pad]
+        self.clock += by
+        self._set_padding()
+
+    def _set_padding(self) -> None:
+        self.engine.padding = Padding.of(torch.tensor(self.pad, dtype=torch.long), self.engine.device)
+
+
+def _rows(cache: KVCache, index: torch.Tensor) -> KVCache:
+    out = KVCache.__new__(KVCache)
+    out.k, out.v = cache.k.index_select(0, index), cache.v.index_select(0, index)
+    return out
+
+
+def _cat(a: KVCache, b: KVCache) -> KVCache:
+    out = KVCache.__new__(KVCache)
+    out.k, out.v = torch.cat([a.k, b.k]), torch.cat([a.v, b.v])
+    return out

@@ -1,0 +1,73 @@
+"""The server's engine loop, on every rank: each iteration rank 0 decides the plan (who leaves, who joins) and
+broadcasts it; every rank applies it, prefills the joining sequences, then runs one decode step for every running
+sequence. The head's rank samples; the tokens reach every rank in the step's one broadcast, as in `generate`.
+
+Iteration-level continuous batching: a sequence joins between two steps and leaves as soon as it ends or its
+client goes away; its rows of the KV cache are reused at once (`moe.serve.batch`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from moe.serve.batch import Row, RunningBatch
+from moe.serve.scheduler import Plan, Scheduler
+
+LOAD_EVERY_S = 2.0  # how often the live expert load is gathered for /metrics (one all-reduce on N ranks)
+
+
+class EngineLoop:
+    def __init__(self, engine, dist, length: int, scheduler: Scheduler | None) -> None:
+        """`scheduler` on rank 0 only; `dist` None for one process."""
+        self.engine, self.dist, self.scheduler = engine, dist, scheduler
+        self.batch = RunningBatch(engine, length)
+        self.distributed = dist is not None and dist.world_size > 1
+        self.loads_at = time.monotonic()
+
+    def run(self) -> None:
+        while True:
+            plan = self._plan()
+            if plan.stop:
+                return
+            self.batch.leave(plan.leave)
+            if plan.join:
+                rows = [Row(rid, prompt, params) for rid, prompt, params in plan.join]
+                self._sample(self.batch.join(rows), rows)
+            if self.batch.rows:
+                last = torch.tensor([r.generated[-1] for r in self.batch.rows], device=self.engine.device)
+                self._sample(self.batch.step(last), self.batch.rows)
+                if self.scheduler is not None:
+                    self.scheduler.metrics.step(len(self.batch.rows))
+            if plan.loads:
+                counts = self.engine.load_stats()[0]
+                if self.scheduler is not None:
+                    self.scheduler.metrics.expert_load = counts.sum(dim=1).tolist()
+
+    def _plan(self) -> Plan:
+        """Rank 0's plan on every rank: a one-value broadcast says whether there is one, then the plan itself
+        (most steps change nothing and cost one small broadcast)."""
+        plan = self.scheduler.plan() if self.scheduler is not None else None
+        if plan is not None and time.monotonic() - self.loads_at > LOAD_EVERY_S:
+            plan.loads, self.loads_at = True, time.monotonic()
+        if not self.distributed:
+            return plan
+        flag = torch.tensor([int(plan is not None and bool(plan))], device=self.dist.device)
+        if int(self.dist.broadcast(flag, 0).item()) == 0:
+            return Plan()
+        return self.dist.broadcast_object(plan, 0)
+
+    def _sample(self, logits: torch.Tensor | None, rows: list[Row]) -> None:
+        """Sample on the head's rank, share with every rank, record; rank 0 delivers to the requests."""
+        asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+        top = max(asked) if asked else None
+        width = 1 if top is None else 2 + 2 * top
+        packed = (self.batch.sample(logits, rows) if logits is not None
+                  else torch.zeros(len(rows), width, dtype=torch.long, device=self.engine.device))
+        shared = self.engine.share(packed.reshape(-1)).view(len(rows), width)
+        host = shared.tolist()  # the step's one read: what each request receives
+        self.batch.record([h[0] for h in host], rows, shared[:, 0])
+        if self.scheduler is not None:
+            self.scheduler.deliver([r.request for r in rows], host, top)
+

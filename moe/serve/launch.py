@@ -1,0 +1,159 @@
+"""Where the server runs: this process is the only rank, or one rank of torchrun's group, or (`--gpus N`) this
+process starts N rank processes that join one group as torchrun's ranks would. On every rank the engine loop owns
+the main thread; rank 0 also answers HTTP (uvicorn in a thread of its own), and only rank 0 handles SIGTERM: it
+stops accepting, lets the running requests finish within the drain time, then tells every rank to stop."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from moe.serve.app import OpenAIServer, ServerState
+
+log = logging.getLogger("moe.serve")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    ckpt: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str | None = None
+    device: str = "auto"
+    max_num_seqs: int = 8
+    max_model_len: int | None = None
+    max_queue: int = 64
+    token_budget: int = 2048
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_body_bytes: int = 8 * 2**20
+    drain_s: float = 30.0
+    threads: int | None = None
+    attention: str = "layer"
+    experts: str = "expert"
+
+
+def serve(options: ServeOptions) -> int:
+    """Serve in this process (one rank, or one of torchrun's ranks) until SIGTERM or Ctrl-C; 0 after a drain."""
+    from moe.api import MoEModel
+    from moe.serve.engine_loop import EngineLoop
+    from moe.serve.metrics import Metrics
+    from moe.serve.scheduler import Scheduler
+
+    rank = int(os.environ.get("RANK", "0"))
+    state = ServerState(options.served_model_name or os.path.basename(os.path.normpath(options.ckpt)),
+                        options.max_model_len or 0, options.max_body_bytes, options.api_key)
+    http = _start_http(state, options) if rank == 0 else None
+    try:
+        model = MoEModel.from_pretrained(options.ckpt, dtype=options.dtype, device=options.device,
+                                         threads=options.threads, attention=options.attention,
+                                         experts=options.experts)
+    except BaseException as e:
+        state.dead = f"loading failed: {e}"
+        _stop_http(http)
+        raise
+    with model:
+        length = _context(model, options)
+        state.max_model_len, state.tokenizer, state.vocab_size = length, model._tokenizer, model.config.vocab_size
+        scheduler = None
+        if rank == 0:
+            scheduler = Scheduler(options.max_num_seqs, options.max_queue, options.token_budget, model.eos_ids,
+                                  model._tokenizer, Metrics())
+            signal.signal(signal.SIGTERM, lambda *_: scheduler.drain(options.drain_s))
+            signal.signal(signal.SIGINT, lambda *_: scheduler.drain(0))
+            state.scheduler = scheduler  # /health turns 200
+            print(f"serving {state.served} on http://{options.host}:{options.port} ({model.info.ranks} rank(s), "
+                  f"{options.max_num_seqs} sequences of up to {length} tokens)", file=sys.stderr, flush=True)
+        else:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains, then stops every rank
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        dist = getattr(model.engine, "dist", None)
+        try:
+            EngineLoop(model.engine, dist, length, scheduler).run()
+        except BaseException as e:
+            state.dead = f"a rank failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            if scheduler is not None:
+                scheduler.fail_all(state.dead)
+            time.sleep(0.5)  # the open streams get their error event
+            raise
+        finally:
+            _stop_http(http)
+    return 0
+
+
+def _context(model, options: ServeOptions) -> int:
+    cfg = model.config
+    if model.tokenizer is None:
+        raise ValueError(f"{options.ckpt}: the server needs the checkpoint's tokenizer")
+    if cfg.rope_scaling.by_length:
+        raise ValueError(f"{options.ckpt}: RoPE scaling '{cfg.rope_scaling.kind}' depends on each sequence's length; "
+                         "the server does not run it yet")
+    plan = model.info.placement
+    if plan is not None and any(plan.strategy(i).attention == "replicated" for i in range(cfg.n_layers)):
+        raise ValueError("the server runs layer or tensor attention; --attention replicated is not served yet")
+    limit = cfg.max_seq_len
+    length = options.max_model_len or min(limit, 4096)
+    if not 1 < length <= limit:
+        raise ValueError(f"--max-model-len {length}: must be between 2 and the model's context ({limit})")
+    return length
+
+
+def _start_http(state: ServerState, options: ServeOptions):
+    import uvicorn
+
+    config = uvicorn.Config(OpenAIServer(state).app(), host=options.host, port=options.port, log_level="warning",
+                            timeout_graceful_shutdown=1)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if not server.started:
+        raise OSError(f"cannot listen on {options.host}:{options.port} (in use, or not an address of this machine)")
+    return server, thread
+
+
+def _stop_http(http) -> None:
+    if http is not None:
+        server, thread = http
+        server.should_exit = True
+        thread.join(timeout=5)
+
+
+def serve_rank(conn, options: ServeOptions, rank: int, world_size: int, port: int) -> None:
+    """A rank process of `--gpus N`: joins the group as a torchrun rank would, then serves."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    serve(options)  # returns after a drain (the entry then exits 0); a failure raises
+
+
+def serve_ranks(options: ServeOptions, world_size: int) -> int:
+    """Start N rank processes and wait: SIGTERM or Ctrl-C here is passed to rank 0, which drains and stops all."""
+    from moe.parallel.distributed import free_port
+    from moe.workers.group import _stop
+    from moe.workers.spawn import start_rank
+
+    port, ranks = free_port(), []
+    threads = options.threads or max(1, (os.cpu_count() or 1) // world_size)
+    options = ServeOptions(**{**options.__dict__, "threads": threads})
+    for rank in range(world_size):
+        ranks.append(start_rank(rank, "moe.serve.launch:serve_rank", (options, rank, world_size, port), threads))
+    forward = lambda *_: ranks[0].proc.poll() is None and ranks[0].proc.send_signal(signal.SIGTERM)  # noqa: E731
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    try:
+        while any(rp.proc.poll() is None for rp in ranks):
+            failed = [rp for rp in ranks if rp.proc.poll() not in (None, 0)]
+            if failed:
+                log.error("rank %d failed (exit code %s); stopping the others", failed[0].rank, failed[0].proc.poll())
+                return 1
+            time.sleep(0.2)
+        return 0 if all(rp.proc.returncode == 0 for rp in ranks) else 1
+    finally:
+        _stop(ranks)

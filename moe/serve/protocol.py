@@ -1,0 +1,153 @@
+"""OpenAI's request and response shapes for /v1/completions and /v1/chat/completions: fields checked into
+`SamplingParams` (a bad value is a 400 naming it), unsupported OpenAI fields refused by name, unknown ones logged
+and ignored (as vLLM does), and the responses, whole or as server-sent-event chunks."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from moe.generation.loop import RowOutput
+from moe.generation.params import SamplingParams
+
+log = logging.getLogger("moe.serve")
+
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+          "presence_penalty", "frequency_penalty", "repetition_penalty", "stream", "stream_options", "ignore_eos",
+          "n", "user", "logprobs"}
+FIELDS = {"completions": COMMON | {"prompt"},
+          "chat": COMMON | {"messages", "top_logprobs", "max_completion_tokens", "chat_template_kwargs"},
+          "tokenize": {"model", "prompt", "messages", "add_special_tokens", "chat_template_kwargs"},
+          "detokenize": {"model", "tokens"}}
+REFUSED = ("echo", "suffix", "best_of", "logit_bias", "tools", "tool_choice", "functions", "function_call",
+           "response_format", "parallel_tool_calls", "audio", "modalities", "prediction")
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+            "repetition_penalty", "ignore_eos")
+
+
+class ApiError(Exception):
+    """An OpenAI error object: status, message, the parameter it concerns."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+@dataclass
+class Parsed:
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    max_tokens_given: bool
+
+
+def check_fields(body: object, kind: str, served: str) -> dict:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    for name in REFUSED:
+        if body.get(name) not in (None, False, [], {}):
+            raise ApiError(400, f"'{name}' is not supported by this server", name)
+    unknown = sorted(set(body) - FIELDS[kind] - set(REFUSED))
+    if unknown:
+        log.warning("ignoring fields that are no part of the API: %s", ", ".join(unknown))
+    model = body.get("model")
+    if model is not None and model != served:
+        raise ApiError(404, f"The model `{model}` does not exist (this server serves `{served}`)", "model",
+                       "NotFoundError")
+    if body.get("n", 1) != 1:
+        raise ApiError(400, "n > 1 is not supported: send the request n times with different seeds", "n")
+    return body
+
+
+def sampling(body: dict, kind: str, prompt_len: int, max_model_len: int, turn_end: int | None = None) -> Parsed:
+    """The request's SamplingParams, checked against the context: prompt + max_tokens must fit."""
+    name = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else \
+        "max_tokens"
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+                            f"{prompt_len}, leaving no room to generate", "messages" if kind == "chat" else "prompt")
+    given = body.get(name)
+    max_tokens = given if given is not None else (16 if kind == "completions" else room)
+    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > room:
+        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+                            "completion). Please reduce the prompt or the completion.", name)
+    values = {k: body[k] for k in SAMPLING if body.get(k) is not None}
+    values.setdefault("temperature", 1.0)  # OpenAI's default, as vLLM applies it
+    if "seed" not in values:
+        values["seed"] = uuid.uuid4().int % 2**63
+    stop = body.get("stop")
+    stop_ids = list(body.get("stop_token_ids") or [])
+    if turn_end is not None and turn_end not in stop_ids:
+        stop_ids.append(turn_end)
+    try:
+        params = SamplingParams(max_tokens, **values, stop=() if stop is None else stop, stop_token_ids=stop_ids,
+                                logprobs=logprob_count(body, kind))
+    except (ValueError, TypeError) as e:
+        message = str(e)
+        raise ApiError(400, message, name if message.startswith("max_new_tokens") else message.split()[0]) from None
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "stream_options must be an object", "stream_options")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, f"stream must be true or false, got {stream!r}", "stream")
+    return Parsed(params, stream, bool(options.get("include_usage")), given is not None)
+
+
+def logprob_count(body: dict, kind: str) -> int | None:
+    if kind == "completions":
+        return body.get("logprobs")
+    if not body.get("logprobs"):
+        if body.get("top_logprobs"):
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return None
+    return body.get("top_logprobs") or 0
+
+
+def new_id(kind: str) -> str:
+    return ("cmpl-" if kind == "completions" else "chatcmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def logprobs_object(kind: str, entries, decode) -> dict | None:
+    """OpenAI's log-probabilities: completions' token lists, or chat's `content` entries."""
+    if entries is None:
+        return None
+    if kind == "completions":
+        return {"tokens": [decode(t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [{decode(i): v for i, v in top} for _, _, top in entries]}
+    return {"content": [{"token": decode(t), "logprob": lp, "bytes": list(decode(t).encode()),
+                         "top_logprobs": [{"token": decode(i), "logprob": v, "bytes": list(decode(i).encode())}
+                                          for i, v in top]} for t, lp, top in entries]}
+
+
+def choice(kind: str, index: int, text: str, out: RowOutput | None, logprobs: dict | None, delta: bool) -> dict:
+    finish = out.finish_reason if out is not None else None
+    stop_reason = out.stop_reason if out is not None else None
+    if kind == "completions":
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                "stop_reason": stop_reason}
+    body = {"role": "assistant", "content": text} if not delta else ({"content": text} if text else {})
+    return {"index": index, ("delta" if delta else "message"): body, "logprobs": logprobs, "finish_reason": finish,
+            "stop_reason": stop_reason}
+
+
+def envelope(kind: str, rid: str, served: str, choices: list[dict], chunk: bool, use: dict | None = None) -> dict:
+    obj = {"completions": ("text_completion", "text_completion"), "chat": ("chat.completion",
+                                                                         "chat.completion.chunk")}[kind][chunk]
+    out = {"id": rid, "object": obj, "created": int(time.time()), "model": served, "choices": choices}
+    if use is not None:
+        out["usage"] = use
+    return out

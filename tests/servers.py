@@ -1,0 +1,56 @@
+"""A real server process for tests: `scripts/serve.py` on a free port, up once /health says 200."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import httpx
+
+from moe.parallel.distributed import free_port
+from tests.checkpoints import ROOT
+from tests.waiting import wait_until
+
+
+class Server:
+    def __init__(self, ckpt, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "serve.py"), "--ckpt", str(ckpt),
+                                      "--port", str(self.port), *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        wait_until(self.healthy, 240, f"the server on port {self.port} to answer /health with 200")
+
+    def healthy(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"the server exited ({self.proc.returncode}): {self.proc.stderr.read()[-3000:]}")
+        try:
+            return httpx.get(self.url + "/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def client(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+    def post(self, path: str, body=None, **kw) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, timeout=120, **kw)
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.stdout.close()
+            self.proc.stderr.close()
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,178 @@
+"""The OpenAI-compatible server as clients meet it: a real server process, the official `openai` client
+(`max_retries=0`) and raw HTTP. Greedy answers equal `MoEModel.generate`; concurrent ones equal solo ones."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from moe import MoEModel
+from tests.checkpoints import TRAINED
+from tests.servers import Server
+from tests.test_chat_template import CHATML, checkpoint
+
+pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+PROMPTS = ["It is a truth universally acknowledged, that", "And God said", "Emma Woodhouse, handsome, clever",
+           "The", "In the beginning", "She was"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with Server(TRAINED, "--max-num-seqs", "4", "--served-model-name", "austen") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def local():
+    with MoEModel.from_pretrained(TRAINED) as model:
+        yield model
+
+
+def test_greedy_completions_equal_generate_whole_and_streamed(server, local):
+    client = server.client()
+    want = local.generate(PROMPTS[:2], max_new_tokens=12, temperature=0)
+    got = client.completions.create(model="austen", prompt=PROMPTS[:2], max_tokens=12, temperature=0)
+    assert [c.text for c in got.choices] == [str(w) for w in want] and got.object == "text_completion"
+    assert [c.finish_reason for c in got.choices] == ["length", "length"]
+    assert got.usage.prompt_tokens == sum(w.prompt_tokens for w in want) and got.usage.completion_tokens == 24
+    chunks = list(client.completions.create(model="austen", prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == str(want[0])
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_token_prompts_stop_strings_and_logprobs(server, local):
+    ids = local.tokenizer.encode(PROMPTS[0])
+    want = local.generate([ids], max_new_tokens=16, temperature=0, stop=[","], logprobs=2)[0]
+    body = {"prompt": ids, "max_tokens": 16, "temperature": 0, "stop": [","], "logprobs": 2}
+    got = server.post("/v1/completions", body).json()["choices"][0]
+    assert got["text"] == want.text and got["finish_reason"] == "stop" and got["stop_reason"] == ","
+    assert got["logprobs"]["token_logprobs"] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
+
+
+def test_twelve_concurrent_requests_equal_solo_ones(server, local):
+    client = server.client()
+    jobs = [(PROMPTS[i % len(PROMPTS)], 8 + i, 0.0 if i % 2 else 0.8, i) for i in range(12)]
+
+    def ask(job):
+        prompt, n, temperature, seed = job
+        return client.completions.create(model="austen", prompt=prompt, max_tokens=n, temperature=temperature,
+                                         seed=seed).choices[0].text
+
+    with ThreadPoolExecutor(12) as pool:
+        together = list(pool.map(ask, jobs))
+    assert together == [ask(job) for job in jobs]  # one at a time
+    greedy = [j for j in jobs if j[2] == 0]
+    assert [t for t, j in zip(together, jobs, strict=True) if j[2] == 0] == [
+        str(local.generate([p], max_new_tokens=n, temperature=0)[0]) for p, n, _, _ in greedy]
+
+
+BAD = [
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "top_k": -5}, 400, "top_k"),
+    ({"prompt": "x", "min_p": 3}, 400, "min_p"),
+    ({"prompt": "x", "presence_penalty": 9}, 400, "presence_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"prompt": "x", "logprobs": 99}, 400, "logprobs"),
+    ({"prompt": "x", "stop": [""]}, 400, "stop"),
+    ({"prompt": "x", "seed": "a"}, 400, "seed"),
+    ({"prompt": "x", "n": 2}, 400, "n"),
+    ({"prompt": "x", "echo": True}, 400, "echo"),
+    ({"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ({"prompt": [1, 2, 10**9]}, 400, "prompt"),
+    ({"prompt": 5}, 400, "prompt"),
+    ({"prompt": "x", "model": "nope"}, 404, "model"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ([1, 2], 400, None),
+]
+
+
+@pytest.mark.parametrize("body, status, param", BAD, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD)])
+def test_bad_requests_get_openais_error_object_and_the_server_goes_on(server, body, status, param):
+    response = server.post("/v1/completions", body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and error["code"] == status
+    good = server.post("/v1/completions", {"prompt": "And", "max_tokens": 2})
+    assert good.status_code == 200 and good.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_raw_http_errors_health_models_tokenize(server, local):
+    assert server.post("/v1/completions", content=b"{not json").status_code == 400
+    assert server.post("/v1/completions", content=b"x" * (9 * 2**20)).status_code == 413
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert [m.id for m in server.client().models.list().data] == ["austen"]
+    ids = server.post("/tokenize", {"prompt": PROMPTS[0]}).json()["tokens"]
+    assert ids == local.tokenizer.encode(PROMPTS[0])
+    assert server.post("/detokenize", {"tokens": ids}).json()["prompt"] == local.tokenizer.decode(ids)
+    chat = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 400 and "chat template" in chat.json()["error"]["message"]  # this model has none
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "moe_generation_tokens_total" in metrics and 'moe_expert_tokens_total{block="0",expert="0"}' in metrics
+
+
+@pytest.fixture(scope="module")
+def chat_server(tmp_path_factory):
+    path = checkpoint(tmp_path_factory.mktemp("served-chat"), template_config=CHATML)
+    with Server(path, "--api-key", "secret") as s:
+        yield s, path
+
+
+def test_chat_completions_through_the_template(chat_server):
+    server, path = chat_server
+    messages = [{"role": "user", "content": "Who is Emma?"}]
+    with MoEModel.from_pretrained(path) as model:
+        want = model.chat(messages, max_new_tokens=10, temperature=0)
+    client = server.client(api_key="secret")
+    got = client.chat.completions.create(model=path.name, messages=messages, max_tokens=10, temperature=0,
+                                         logprobs=True, top_logprobs=2)
+    assert got.choices[0].message.content == str(want) and got.choices[0].message.role == "assistant"
+    assert len(got.choices[0].logprobs.content) == len(want.token_ids)
+    chunks = list(client.chat.completions.create(model=path.name, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == str(want)
+    assert server.post("/v1/chat/completions", {"messages": messages}).status_code == 401  # no key
+
+
+def test_backpressure_cancellation_and_sigterm(tmp_path):
+    with Server(TRAINED, "--max-num-seqs", "1", "--max-queue", "1", "--max-model-len", "1024") as server:
+        body = {"prompt": "And", "max_tokens": 900, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=120) as http, http.stream("POST", server.url + "/v1/completions", json=body) as one:
+            lines = one.iter_lines()
+            assert next(lines).startswith("data: ")  # the first sequence runs
+            queued = httpx.Client(timeout=120)
+            with queued.stream("POST", server.url + "/v1/completions", json=body | {"max_tokens": 4}) as two:
+                refused = server.post("/v1/completions", body | {"stream": False})  # the queue holds one
+                assert refused.status_code == 503 and refused.headers["retry-after"]
+                assert refused.json()["error"]["type"] == "ServiceUnavailable"
+                one.close()  # the client goes away: its slot frees, the queued request runs
+                text = [json.loads(x[6:]) for x in two.iter_lines() if x.startswith("data: {")]
+                assert text[-1]["choices"][0]["finish_reason"] == "length"
+            queued.close()
+        body = {"prompt": "And", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=120) as http, http.stream("POST", server.url + "/v1/completions", json=body) as s:
+            lines = s.iter_lines()
+            next(lines)
+            server.proc.send_signal(15)  # SIGTERM while it streams: the stream is finished, then the server exits
+            rest = [x for x in lines if x]
+        assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
+        assert server.stop() == 0
+
+
+def test_two_ranks_answer_as_one(local):
+    with Server(TRAINED, "--gpus", "2") as server:
+        got = server.client().completions.create(model="tiny-moe-austen-bbe", prompt=PROMPTS[:3], max_tokens=10,
+                                                 temperature=0)
+        assert server.stop() == 0
+    assert [c.text for c in got.choices] == [str(w) for w in local.generate(PROMPTS[:3], max_new_tokens=10,
+                                                                              temperature=0)]
