@@ -4,15 +4,21 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from moe import MoEModel
-from tests.checkpoints import TRAINED
+from moe.parallel.distributed import free_port
+from tests.checkpoints import ROOT, TRAINED
 from tests.servers import Server
 from tests.test_chat_template import CHATML, checkpoint
+from tests.waiting import wait_gone, wait_until
 
 pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
@@ -176,3 +182,47 @@ def test_two_ranks_answer_as_one(local):
         assert server.stop() == 0
     assert [c.text for c in got.choices] == [str(w) for w in local.generate(PROMPTS[:3], max_new_tokens=10,
                                                                               temperature=0)]
+
+
+def test_the_readmes_curl_and_client_examples(server):
+    from tests.readme_blocks import blocks
+
+    curl = next(b for b in blocks("bash") if b.startswith("curl")).replace("8000", str(server.port))
+    done = subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=120)
+    assert json.loads(done.stdout)["choices"][0]["finish_reason"] == "length"
+    (client_example,) = blocks("py")
+    script = client_example.replace("8000", str(server.port)).replace('model="tiny-moe-austen-bbe"', 'model="austen"')
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "completion_tokens=16" in done.stdout, done.stderr
+
+
+def test_under_torchrun_rank_zero_serves_and_sigterm_stops_all():
+    """torchrun passes SIGTERM to its ranks (and then reports the signal as its own failure: exit 1)."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(ROOT / "scripts" / "serve.py"), "--ckpt", str(TRAINED), "--port", str(port)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(url + "/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            return False
+
+    try:
+        wait_until(up, 240, "the torchrun server's /health to say 200")
+        got = httpx.post(url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0},
+                         timeout=120).json()
+        with MoEModel.from_pretrained(TRAINED) as model:
+            assert got["choices"][0]["text"] == str(model.generate([PROMPTS[0]], max_new_tokens=8)[0])
+        workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                             text=True).stdout.split()]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        wait_gone(workers)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
