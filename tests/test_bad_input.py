@@ -149,7 +149,7 @@ def test_sizes_are_bounded_before_anything_is_allocated(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match=r"config.json: describes [\d,]+ weights \(num_hidden_layers=1000000"):
         MoEModel.from_pretrained(huge)
     with MoEModel.from_pretrained(TRAINED) as model:
-        monkeypatch.setattr("moe.api.available_mib", lambda: 1.0)  # as if the machine had 1 MiB free
+        monkeypatch.setattr("moe.memory.available_mib", lambda: 1.0)  # as if the machine had 1 MiB free
         with pytest.raises(ValueError, match=r"KV cache for 2 sequence\(s\) of 1024 positions needs .* GiB free"):
             model.generate(["And God said", "In the"], max_new_tokens=5000)
         monkeypatch.undo()
