@@ -226,3 +226,17 @@ def test_under_torchrun_rank_zero_serves_and_sigterm_stops_all():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_serving_bench_reports_vllms_figures_for_each_level(tmp_path):
+    out = tmp_path / "serve.json"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_serve.py"), "--ckpt", str(TRAINED),
+                           "--threads", "2", "--concurrency", "1,2", "--requests", "2", "--input-len", "8",
+                           "--output-len", "4", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    for level in (1, 2):
+        row = rows[f"ours x1 c={level}"]
+        assert row["failed"] == 0 and row["requests"] == 2 and row["output_tokens_per_s"] > 0
+        assert row["ttft_ms"]["median"] > 0 and row["tpot_ms"]["p99"] >= row["tpot_ms"]["median"]
+    assert rows["model.generate c=1"]["output_tokens_per_s"] > 0 and "TTFT med" in done.stdout

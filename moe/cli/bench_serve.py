@@ -1,0 +1,176 @@
+"""`scripts/bench_serve.py`: our server under load, beside llama-server on the same weights and threads.
+
+    python scripts/bench_serve.py --size small --threads 2 --concurrency 1,2,4,8,16
+    LLAMA_CPP_DIR=~/llama.cpp python scripts/bench_serve.py --size small --against llama-server --gpus 1,2
+    python scripts/bench_serve.py --size small --rate 4 --requests 2000 --soak   # open loop, memory sampled
+
+Each level is run on every server in turn (ours on each --gpus, then llama-server), the servers started once and
+idle while another is measured. Prompts are the same token ids for every server; every request streams
+`max_tokens` tokens with `ignore_eos`. llama-server runs with `-np` = the largest concurrency, `-t`/`-tb` = the
+threads, prompt caching off. Also measured: `model.generate` alone, one request at a time (the 1-request goal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from moe.bench.serving import closed_loop, open_loop, summary, table
+from moe.cli.common import run_command
+
+
+def start(cmd: list[str], url: str, env: dict | None = None) -> subprocess.Popen:
+    import httpx
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd[0]} exited: {proc.stderr.read()[-500:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"{cmd[0]} did not become healthy within 600 s")
+
+
+def servers(args, path: Path, levels: list[int]) -> dict[str, tuple[subprocess.Popen, str, str]]:
+    from moe.parallel.distributed import free_port
+
+    running = {}
+    for gpus in args.gpus:
+        port = free_port()
+        cmd = [sys.executable, str(Path(__file__).resolve().parents[2] / "scripts" / "serve.py"), "--ckpt", str(path),
+               "--port", str(port), "--dtype", args.dtype, "--gpus", str(gpus), "--max-num-seqs", str(max(levels)),
+               "--max-model-len", str(args.input_len + args.output_len + 8), "--max-queue", str(4 * max(levels))]
+        cmd += ["--threads", str(max(1, args.threads // gpus))]
+        url = f"http://127.0.0.1:{port}"
+        running[f"ours x{gpus}"] = (start(cmd, url), url, path.name)
+    if "llama-server" in args.against:
+        from moe.bench.llama_cpp import GGUF_NAMES, LlamaCpp
+
+        llama = LlamaCpp.find(args.llama_cpp)
+        gguf = llama.to_gguf(path, args.dtype, args.workdir / "gguf")
+        port = free_port()
+        ctx = max(levels) * (args.input_len + args.output_len + 8)
+        cmd = [str(llama.bench.parent / "llama-server"), "-m", str(gguf), "-t", str(args.threads), "-tb",
+               str(args.threads), "-np", str(max(levels)), "-c", str(ctx), "--no-cache-prompt", "--port", str(port),
+               "--host", "127.0.0.1", "--no-webui"]
+        url = f"http://127.0.0.1:{port}"
+        running[f"llama-server {GGUF_NAMES[args.dtype]}"] = (start(cmd, url), url, gguf.name)
+    return running
+
+
+def generate_alone(path: Path, args, prompt: list[int]) -> float:
+    """Output tokens/s of `model.generate` for one request of the same lengths, in a fresh process."""
+    code = ("import sys, time, torch; from moe import MoEModel\n"
+            f"torch.set_num_threads({args.threads})\n"
+            f"m = MoEModel.from_pretrained({str(path)!r}, dtype={args.dtype!r})\n"
+            f"p = {prompt!r}\n"
+            f"m.generate([p], max_new_tokens={args.output_len}, ignore_eos=True)\n"
+            f"t = time.perf_counter(); m.generate([p], max_new_tokens={args.output_len}, ignore_eos=True)\n"
+            f"print({args.output_len} / (time.perf_counter() - t))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    return float(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else float("nan")
+
+
+def bench(args: argparse.Namespace) -> int:
+    import random
+
+    from moe.bench.sizes import write_sized_checkpoint
+    from moe.cli.bench import BENCH_TOKENIZER, cpu_name
+
+    path = args.ckpt or args.workdir / args.size
+    if args.ckpt is None and not (path / "config.json").exists():
+        write_sized_checkpoint(path, args.size)
+    if not (path / "tokenizer.model").exists() and not (path / "tokenizer.json").exists():
+        shutil.copy(BENCH_TOKENIZER, path / "tokenizer.model")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 4000) for _ in range(args.input_len)] for _ in range(64)]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    print(f"machine: {cpu_name()}; {args.threads} thread(s); model {path.name}, {args.dtype}; prompts of "
+          f"{args.input_len} tokens, {args.output_len} new tokens each; commit {commit()}")
+    running = servers(args, path, levels)
+    rows: dict[str, dict] = {}
+    try:
+        for _, url, model in running.values():  # warm-up: first requests build kernels and caches
+            asyncio.run(closed_loop(url, model, prompts, 4, 1, 1))
+        if args.rate:
+            for name, (_, url, model) in running.items():
+                rows[f"{name} rate {args.rate}/s"] = soak(args, url, model, prompts, running[name][0].pid)
+        for level in levels:
+            n = args.requests or max(2 * level, 8)
+            for name, (_, url, model) in running.items():
+                results, seconds = asyncio.run(closed_loop(url, model, prompts, args.output_len, level, n))
+                rows[f"{name} c={level}"] = summary(results, seconds)
+        rows["model.generate c=1"] = {"output_tokens_per_s": generate_alone(path, args, prompts[0])}
+    finally:
+        for proc, _, _ in running.values():
+            proc.terminate()
+            proc.wait(timeout=120)
+    print(table({k: v for k, v in rows.items() if "ttft_ms" in v}))
+    print(f"model.generate, one request at a time: {rows['model.generate c=1']['output_tokens_per_s']:.1f} tok/s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": cpu_name(), "commit": commit(), "rows": rows}, indent=1))
+    return 0
+
+
+def soak(args, url: str, model: str, prompts: list, pid: int) -> dict:
+    """Open loop at --rate for --requests requests; with --soak, the server's resident memory before and after."""
+    before = rss_mib(pid)
+    results, seconds = asyncio.run(open_loop(url, model, prompts, args.output_len, args.rate, args.requests or 64))
+    out = summary(results, seconds)
+    out["rss_mib_before_after"] = [before, rss_mib(pid)]
+    return out
+
+
+def rss_mib(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def commit() -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent)
+    return done.stdout.strip() or "?"
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="bench_serve.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="small", choices=["small", "medium", "qwen3-moe"])
+    ap.add_argument("--ckpt", type=Path, default=None, help="use this checkpoint instead of a sized random one")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/moe-bench"), help="where sized checkpoints are kept")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"])
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads in all (ours: split by ranks)")
+    ap.add_argument("--gpus", default="1", help="our servers' rank counts, comma-separated (default 1)")
+    ap.add_argument("--concurrency", default="1,2,4,8,16", help="closed-loop levels (default 1,2,4,8,16)")
+    ap.add_argument("--requests", type=int, default=None, help="requests per level (default max(2 x level, 8))")
+    ap.add_argument("--rate", type=float, default=None, help="also an open loop at this many requests/s")
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--against", default="", help="llama-server (needs --llama-cpp DIR or LLAMA_CPP_DIR)")
+    ap.add_argument("--llama-cpp", default=None, metavar="DIR")
+    ap.add_argument("--json", default=None)
+    return ap
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    args.gpus = [int(g) for g in args.gpus.split(",")]
+    return run_command(bench, args)
