@@ -179,7 +179,9 @@ class SentencePieceTokenizer(Tokenizer):
         return [self.bos_id, *ids] if bos and self.bos_id is not None else ids
 
     def decode(self, ids: list[int]) -> str:
-        return self.sp.decode(ids)
+        """Ids past the vocabulary (a model's embedding padded beyond it) are dropped, as `tokenizers` drops them."""
+        size = self.sp.get_piece_size()
+        return self.sp.decode([i for i in ids if 0 <= i < size])
 
     @property
     def special_texts(self) -> dict[str, str]:

@@ -38,6 +38,8 @@ async def one_request(client, url: str, model: str, prompt, max_tokens: int) -> 
                 out.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return out
             async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    out.ok = last is not None
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
@@ -55,7 +57,9 @@ async def one_request(client, url: str, model: str, prompt, max_tokens: int) -> 
     except Exception as e:  # counted as a failed request, with why
         out.error = f"{type(e).__name__}: {e}"
         return out
-    out.latency, out.ok = time.perf_counter() - start, last is not None
+    out.latency = time.perf_counter() - start
+    if not out.ok and not out.error:
+        out.error = "the stream ended without [DONE]" if last is not None else "no text streamed"
     return out
 
 

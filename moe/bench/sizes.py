@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -23,8 +24,11 @@ SIZES = {
 }
 
 
-def write_sized_checkpoint(path: Path, size: str, seed: int = 0, max_shard_bytes: int | None = None) -> Path:
-    cfg = SIZES[size]
+def write_sized_checkpoint(path: Path, size: str, seed: int = 0, max_shard_bytes: int | None = None,
+                           vocab_size: int | None = None) -> Path:
+    """`vocab_size`: the embedding's rows instead of the size's (a server bench matches its tokenizer's, so that
+    every token it streams has text)."""
+    cfg = SIZES[size] if vocab_size is None else dataclasses.replace(SIZES[size], vocab_size=vocab_size)
     torch.manual_seed(seed)
     model = Transformer(cfg)
     with torch.no_grad():

@@ -48,7 +48,7 @@ def servers(args, path: Path, levels: list[int]) -> dict[str, tuple[subprocess.P
     from moe.parallel.distributed import free_port
 
     running = {}
-    for gpus in args.gpus:
+    for gpus in args.rank_counts:
         port = free_port()
         cmd = [sys.executable, str(Path(__file__).resolve().parents[2] / "scripts" / "serve.py"), "--ckpt", str(path),
                "--port", str(port), "--dtype", args.dtype, "--gpus", str(gpus), "--max-num-seqs", str(max(levels)),
@@ -89,10 +89,12 @@ def bench(args: argparse.Namespace) -> int:
 
     from moe.bench.sizes import write_sized_checkpoint
     from moe.cli.bench import BENCH_TOKENIZER, cpu_name
+    from moe.tokenizer import SentencePieceTokenizer
 
-    path = args.ckpt or args.workdir / args.size
+    vocab = SentencePieceTokenizer(BENCH_TOKENIZER).vocab_size
+    path = args.ckpt or args.workdir / f"{args.size}-vocab{vocab}"
     if args.ckpt is None and not (path / "config.json").exists():
-        write_sized_checkpoint(path, args.size)
+        write_sized_checkpoint(path, args.size, vocab_size=vocab)  # every streamed token has text
     if not (path / "tokenizer.model").exists() and not (path / "tokenizer.json").exists():
         shutil.copy(BENCH_TOKENIZER, path / "tokenizer.model")
     rng = random.Random(0)
@@ -158,7 +160,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/moe-bench"), help="where sized checkpoints are kept")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"])
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads in all (ours: split by ranks)")
-    ap.add_argument("--gpus", default="1", help="our servers' rank counts, comma-separated (default 1)")
+    ap.add_argument("--gpus", dest="rank_counts", default="1",
+                    help="our servers' rank counts, comma-separated (default 1)")
     ap.add_argument("--concurrency", default="1,2,4,8,16", help="closed-loop levels (default 1,2,4,8,16)")
     ap.add_argument("--requests", type=int, default=None, help="requests per level (default max(2 x level, 8))")
     ap.add_argument("--rate", type=float, default=None, help="also an open loop at this many requests/s")
@@ -172,5 +175,5 @@ def parser() -> argparse.ArgumentParser:
 
 def run(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    args.gpus = [int(g) for g in args.gpus.split(",")]
+    args.rank_counts = [int(g) for g in args.rank_counts.split(",")]
     return run_command(bench, args)

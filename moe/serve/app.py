@@ -181,7 +181,8 @@ class OpenAIServer:
             elif event[0] == "end":
                 return "".join(pieces), entries if event[1].logprobs is not None else None, event[1]
             else:
-                raise ApiError(503, event[1], kind="ServiceUnavailable")
+                status = event[2] if len(event) > 2 else 503
+                raise ApiError(status, event[1], kind="InternalServerError" if status == 500 else "ServiceUnavailable")
 
     async def stream(self, request, kind, rid, submitted, queues, include_usage):
         merged: asyncio.Queue = asyncio.Queue()
@@ -205,7 +206,8 @@ class OpenAIServer:
                     part = protocol.choice(kind, i, "", event[1], None, delta=True)
                     yield sse(protocol.envelope(kind, rid, self.state.served, [part], True))
                 else:
-                    yield sse(ApiError(503, event[1], kind="ServiceUnavailable").body())
+                    status = event[2] if len(event) > 2 else 503
+                    yield sse(ApiError(status, event[1], kind="ServiceUnavailable").body())
                     open_rows -= 1
             if include_usage:
                 use = protocol.usage(sum(len(r.prompt) for r in submitted), completion)

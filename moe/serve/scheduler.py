@@ -130,7 +130,12 @@ class Scheduler:
             request = self.running.get(rid)
             if request is None or request.cancelled or request.out.finish_reason is not None:
                 continue
-            piece = advance(request.out, request.params, self.eos, request.text, row, top)
+            try:
+                piece = advance(request.out, request.params, self.eos, request.text, row, top)
+            except Exception as e:  # this request's text cannot be made: it ends, the others go on
+                request.out.finish_reason = "abort"
+                request.sink(("error", f"internal error in this request: {type(e).__name__}: {e}", 500))
+                continue
             self.metrics.token(request, now)
             if piece is not None:
                 entry = request.out.logprobs[-1] if request.out.logprobs else None
