@@ -2,7 +2,7 @@
 
     python scripts/bench_serve.py --size small --threads 2 --concurrency 1,2,4,8,16
     LLAMA_CPP_DIR=~/llama.cpp python scripts/bench_serve.py --size small --against llama-server --gpus 1,2
-    python scripts/bench_serve.py --size small --rate 4 --requests 2000 --soak   # open loop, memory sampled
+    python scripts/bench_serve.py --size small --rate 3.2 --soak-seconds 600 --max-num-seqs 16 --concurrency 1
 
 Each level is run on every server in turn (ours on each --gpus, then llama-server), the servers started once and
 idle while another is measured. Prompts are the same token ids for every server; every request streams
@@ -47,12 +47,12 @@ def start(cmd: list[str], url: str, env: dict | None = None) -> subprocess.Popen
 def servers(args, path: Path, levels: list[int]) -> dict[str, tuple[subprocess.Popen, str, str]]:
     from moe.parallel.distributed import free_port
 
-    running = {}
+    running, seqs = {}, args.max_num_seqs or max(levels)
     for gpus in args.rank_counts:
         port = free_port()
         cmd = [sys.executable, str(Path(__file__).resolve().parents[2] / "scripts" / "serve.py"), "--ckpt", str(path),
-               "--port", str(port), "--dtype", args.dtype, "--gpus", str(gpus), "--max-num-seqs", str(max(levels)),
-               "--max-model-len", str(args.input_len + args.output_len + 8), "--max-queue", str(4 * max(levels))]
+               "--port", str(port), "--dtype", args.dtype, "--gpus", str(gpus), "--max-num-seqs", str(seqs),
+               "--max-model-len", str(args.input_len + args.output_len + 8), "--max-queue", str(4 * seqs)]
         cmd += ["--threads", str(max(1, args.threads // gpus))]
         url = f"http://127.0.0.1:{port}"
         running[f"ours x{gpus}"] = (start(cmd, url), url, path.name)
@@ -62,9 +62,9 @@ def servers(args, path: Path, levels: list[int]) -> dict[str, tuple[subprocess.P
         llama = LlamaCpp.find(args.llama_cpp)
         gguf = llama.to_gguf(path, args.dtype, args.workdir / "gguf")
         port = free_port()
-        ctx = max(levels) * (args.input_len + args.output_len + 8)
+        ctx = seqs * (args.input_len + args.output_len + 8)
         cmd = [str(llama.bench.parent / "llama-server"), "-m", str(gguf), "-t", str(args.threads), "-tb",
-               str(args.threads), "-np", str(max(levels)), "-c", str(ctx), "--no-cache-prompt", "--port", str(port),
+               str(args.threads), "-np", str(seqs), "-c", str(ctx), "--no-cache-prompt", "--port", str(port),
                "--host", "127.0.0.1", "--no-webui"]
         url = f"http://127.0.0.1:{port}"
         running[f"llama-server {GGUF_NAMES[args.dtype]}"] = (start(cmd, url), url, gguf.name)
@@ -128,9 +128,11 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def soak(args, url: str, model: str, prompts: list, pid: int) -> dict:
-    """Open loop at --rate for --requests requests; with --soak, the server's resident memory before and after."""
+    """Open loop at --rate (for --soak-seconds, else --requests requests): vLLM's figures, and the server's
+    resident memory before and after (rank 0's process)."""
     before = rss_mib(pid)
-    results, seconds = asyncio.run(open_loop(url, model, prompts, args.output_len, args.rate, args.requests or 64))
+    count = int(args.rate * args.soak_seconds) if args.soak_seconds else args.requests or 64
+    results, seconds = asyncio.run(open_loop(url, model, prompts, args.output_len, args.rate, count))
     out = summary(results, seconds)
     out["rss_mib_before_after"] = [before, rss_mib(pid)]
     return out
@@ -165,6 +167,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--concurrency", default="1,2,4,8,16", help="closed-loop levels (default 1,2,4,8,16)")
     ap.add_argument("--requests", type=int, default=None, help="requests per level (default max(2 x level, 8))")
     ap.add_argument("--rate", type=float, default=None, help="also an open loop at this many requests/s")
+    ap.add_argument("--soak-seconds", type=float, default=None,
+                    help="the open loop's length (a soak: failures and memory over a long run)")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="sequences each server decodes together (-np for llama-server; default: the largest level)")
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--against", default="", help="llama-server (needs --llama-cpp DIR or LLAMA_CPP_DIR)")
