@@ -129,12 +129,23 @@ def bench(args: argparse.Namespace) -> int:
 
 def soak(args, url: str, model: str, prompts: list, pid: int) -> dict:
     """Open loop at --rate (for --soak-seconds, else --requests requests): vLLM's figures, and the server's
-    resident memory before and after (rank 0's process)."""
-    before = rss_mib(pid)
+    resident memory (rank 0's process) sampled every 30 s, to tell a leak from a first allocation."""
+    import threading
+
+    samples, done = [rss_mib(pid)], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(30):
+            samples.append(rss_mib(pid))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     count = int(args.rate * args.soak_seconds) if args.soak_seconds else args.requests or 64
     results, seconds = asyncio.run(open_loop(url, model, prompts, args.output_len, args.rate, count))
+    done.set()
+    sampler.join()
     out = summary(results, seconds)
-    out["rss_mib_before_after"] = [before, rss_mib(pid)]
+    out["rss_mib_every_30s"] = samples + [rss_mib(pid)]
     return out
 
 
