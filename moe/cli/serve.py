@@ -37,7 +37,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together (KV-cache rows)")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="prompt + completion tokens per sequence (default: the model's context, at most 4096)")
-    ap.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 503 at once")
+    ap.add_argument("--max-queue", type=int, default=64,
+                    help="requests that may wait beyond the free slots; more get 503 at once")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
                     help="prompt tokens prefilled per step (a longer prompt joins alone)")
     ap.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the folder's)")

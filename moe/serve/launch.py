@@ -59,11 +59,11 @@ def serve(options: ServeOptions) -> int:
         raise
     with model:
         length = _context(model, options)
-        state.max_model_len, state.tokenizer, state.vocab_size = length, model._tokenizer, model.config.vocab_size
+        state.max_model_len, state.tokenizer, state.vocab_size = length, model.tokenizer, model.config.vocab_size
         scheduler = None
         if rank == 0:
             scheduler = Scheduler(options.max_num_seqs, options.max_queue, options.token_budget, model.eos_ids,
-                                  model._tokenizer, Metrics())
+                                  model.tokenizer, Metrics())
             signal.signal(signal.SIGTERM, lambda *_: scheduler.drain(options.drain_s))
             signal.signal(signal.SIGINT, lambda *_: scheduler.drain(0))
             state.scheduler = scheduler  # /health turns 200

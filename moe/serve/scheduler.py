@@ -66,9 +66,10 @@ class Scheduler:
         with self.lock:
             if self.dead or self.draining_until is not None:
                 raise QueueFull("the server is shutting down" if not self.dead else self.dead)
-            if len(self.waiting) >= self.max_queue:
+            free = max(0, self.max_num_seqs - len(self.running))
+            if len(self.waiting) >= self.max_queue + free:  # more than the free slots and the queue hold
                 self.metrics.rejected += 1
-                raise QueueFull(f"the queue is full ({self.max_queue} waiting, {len(self.running)} running)")
+                raise QueueFull(f"the queue is full ({len(self.waiting)} waiting, {len(self.running)} running)")
             request.id = next(self.ids)
             request.out.logprobs = [] if request.params.logprobs is not None else None
             if request.params.stop or self.tokenizer is not None:
