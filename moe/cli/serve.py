@@ -40,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-queue", type=int, default=64,
                     help="requests that may wait beyond the free slots; more get 503 at once")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                    help="prompt tokens prefilled per step (a longer prompt joins alone)")
+                    help="prompt tokens prefilled per step (a longer prompt: in chunks of this size, one a step)")
     ap.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the folder's)")
     ap.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 and /tokenize")
     ap.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",

@@ -30,16 +30,28 @@ class Row:
     generator: torch.Generator | None = None  # the head's rank: this sequence's own random stream
 
 
+@dataclass
+class Prefill:
+    """A prompt longer than a step's token budget, prefilled a chunk a step into rows of its own (positions from
+    0), so the running sequences keep decoding meanwhile; it joins the batch when its last chunk is in."""
+
+    row: Row
+    caches: dict
+    done: int = 0
+
+
 class RunningBatch:
     def __init__(self, engine, length: int) -> None:
         self.engine, self.length = engine, length
         self.rows: list[Row] = []
+        self.prefills: list[Prefill] = []
         self.pad: list[int] = []  # per row, the cache column its sequence begins at
         self.clock = 0  # the column the next step writes
         self.sampler: Sampler | None = None  # the head's rank: rebuilt when the rows change
         self.engine.caches, self.engine.padding = {}, None
 
     def leave(self, requests: set[int]) -> None:
+        self.prefills = [p for p in self.prefills if p.row.request not in requests]
         keep = [i for i, row in enumerate(self.rows) if row.request not in requests]
         if len(keep) == len(self.rows):
             return
@@ -66,6 +78,49 @@ class RunningBatch:
         self.rows, self.pad, self.sampler = self.rows + rows, self.pad + pads, None
         self._set_padding()
         return logits
+
+    def start_prefill(self, row: Row) -> None:
+        running, padding = self.engine.caches, self.engine.padding
+        self.engine.start(1, self.length, torch.zeros(1, dtype=torch.long))
+        self.prefills.append(Prefill(row, self.engine.caches))
+        self.engine.caches, self.engine.padding = running, padding
+
+    def prefill_chunks(self, budget: int) -> list[tuple[Row, torch.Tensor | None]]:
+        """Up to `budget` more prompt tokens of the pending prefills, oldest first; the rows whose prompt is in,
+        merged into the batch, with the logits of their last prompt token (head's rank)."""
+        finished = []
+        for p in list(self.prefills):
+            if budget <= 0:
+                break
+            n = min(budget, len(p.row.prompt) - p.done)
+            running, padding = self.engine.caches, self.engine.padding
+            self.engine.caches, self.engine.padding = p.caches, None
+            chunk = torch.tensor([p.row.prompt[p.done:p.done + n]], dtype=torch.long)
+            logits = self.engine.forward_last(chunk, p.done)
+            p.caches, self.engine.caches, self.engine.padding = self.engine.caches, running, padding
+            p.done, budget = p.done + n, budget - n
+            if p.done == len(p.row.prompt):
+                self.prefills.remove(p)
+                self._merge(p)
+                finished.append((p.row, logits))
+        return finished
+
+    def _merge(self, p: Prefill) -> None:
+        """The prefilled rows moved to end at the clock, then appended."""
+        length = len(p.row.prompt)
+        if length > self.clock:
+            self._shift(length - self.clock)
+        by = self.clock - length
+        for cache in p.caches.values():
+            for t in (cache.k, cache.v):
+                if by:
+                    t[:, :, by:].copy_(t[:, :, :self.length - by].clone())
+        if self.rows:
+            self.engine.caches = {name: _cat(self.engine.caches[name], c) for name, c in p.caches.items()}
+        else:
+            self.engine.caches = p.caches
+        self.rows, self.pad, self.sampler = self.rows + [p.row], self.pad + [by], None
+        self._set_padding()
 
     def step(self, tokens_B: torch.Tensor) -> torch.Tensor | None:
         """One token per running sequence at the clock; the logits on the head's rank."""

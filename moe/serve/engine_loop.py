@@ -19,9 +19,10 @@ LOAD_EVERY_S = 2.0  # how often the live expert load is gathered for /metrics (o
 
 
 class EngineLoop:
-    def __init__(self, engine, dist, length: int, scheduler: Scheduler | None) -> None:
-        """`scheduler` on rank 0 only; `dist` None for one process."""
-        self.engine, self.dist, self.scheduler = engine, dist, scheduler
+    def __init__(self, engine, dist, length: int, scheduler: Scheduler | None, chunk: int = 2048) -> None:
+        """`scheduler` on rank 0 only; `dist` None for one process; `chunk`: prompt tokens a step prefills of the
+        prompts longer than that (the same on every rank)."""
+        self.engine, self.dist, self.scheduler, self.chunk = engine, dist, scheduler, chunk
         self.batch = RunningBatch(engine, length)
         self.distributed = dist is not None and dist.world_size > 1
         self.loads_at = time.monotonic()
@@ -34,7 +35,14 @@ class EngineLoop:
             self.batch.leave(plan.leave)
             if plan.join:
                 rows = [Row(rid, prompt, params) for rid, prompt, params in plan.join]
-                self._sample(self.batch.join(rows), rows)
+                whole = [r for r in rows if len(r.prompt) <= self.chunk]
+                if whole:
+                    self._sample(self.batch.join(whole), whole)
+                for row in rows:
+                    if len(row.prompt) > self.chunk:
+                        self.batch.start_prefill(row)
+            for row, logits in self.batch.prefill_chunks(self.chunk):
+                self._sample(logits, [row])
             if self.batch.rows:
                 last = torch.tensor([r.generated[-1] for r in self.batch.rows], device=self.engine.device)
                 self._sample(self.batch.step(last), self.batch.rows)

@@ -1,0 +1,63 @@
+"""The server's engine loop without HTTP: sequences that join at different steps, wait for a slot, outgrow the
+cache's end (every row moves left) or arrive with prompts longer than a step's budget (prefilled in chunks while
+the others decode) get the tokens `generate` gives each alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe import MoEModel
+from moe.generation import SamplingParams
+from moe.serve.engine_loop import EngineLoop
+from moe.serve.metrics import Metrics
+from moe.serve.scheduler import Request, Scheduler
+from tests.checkpoints import TRAINED
+
+PROMPTS = ["It is a truth universally acknowledged, that", "And God said", "Emma Woodhouse, handsome, clever, and rich",
+           "The", "In the beginning God created the heaven and the earth. And the earth was"]
+
+
+class Arrivals(Scheduler):
+    """Request i arrives before step `at[i]`; once all have ended, the loop is told to stop."""
+
+    def __init__(self, model, requests: list[Request], at: list[int], slots: int) -> None:
+        super().__init__(slots, 16, 512, model.eos_ids, model.tokenizer, Metrics())
+        self.pending, self.at, self.steps = list(requests), list(at), 0
+
+    def plan(self, idle_wait: float = 1.0):
+        while self.pending and self.at[0] <= self.steps:
+            self.submit(self.pending.pop(0))
+            self.at.pop(0)
+        if not self.pending and not self.running and not self.waiting:
+            self.drain(0)
+        self.steps += 1
+        return super().plan(idle_wait=0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    with MoEModel.from_pretrained(TRAINED) as m:
+        yield m
+
+
+@pytest.mark.parametrize("slots, length, chunk", [(4, 256, 2048), (2, 256, 2048), (4, 40, 2048), (4, 256, 3),
+                                                  (2, 40, 4)], ids=["plain", "two-slots", "left-moves",
+                                                                    "chunked", "all"])
+def test_joined_sequences_get_their_solo_tokens(model, slots, length, chunk):
+    params = [SamplingParams(16 + 2 * i, temperature=0.0 if i % 2 else 0.9, seed=i) for i in range(len(PROMPTS))]
+    ids = [model.tokenizer.encode(p) for p in PROMPTS]
+    want = [model.generate([p], **vars_of(q))[0] for p, q in zip(ids, params, strict=True)]
+    events: dict[int, list] = {i: [] for i in range(len(ids))}
+    requests = [Request(p, q, events[i].append) for i, (p, q) in enumerate(zip(ids, params, strict=True))]
+    scheduler = Arrivals(model, requests, at=[0, 0, 3, 5, 9], slots=slots)
+    EngineLoop(model.engine, None, length, scheduler, chunk).run()
+    for i, w in enumerate(want):
+        end = events[i][-1]
+        assert end[0] == "end" and end[1].tokens == w.token_ids, i
+        assert "".join(e[2] for e in events[i] if e[0] == "token") == w.text
+    assert scheduler.steps > 1 and not scheduler.running
+
+
+def vars_of(params: SamplingParams) -> dict:
+    return dict(max_new_tokens=params.max_new_tokens, temperature=params.temperature, seed=params.seed,
+                ignore_eos=False)
