@@ -159,3 +159,12 @@ def test_chat_replies_stop_at_the_templates_end_of_turn(tmp_path, template, turn
         assert reply.token_ids == free.token_ids[:free.token_ids.index(end)] and reply.finish_reason == "stop"
         assert isinstance(reply, str) and reply == model.tokenizer.decode_continuation(prompt, reply.token_ids)
         assert model.chat([messages, CONVERSATION[1:4]], max_new_tokens=12, temperature=0)[0] == reply
+
+
+def test_generation_tags_and_strftime_render_as_in_transformers(tmp_path):
+    template = ("{{ strftime_now('%Y') }}|{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
+                "{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}|{% endfor %}")
+    ours, theirs = both(checkpoint(tmp_path, template_config=template))
+    messages = CONVERSATION[1:3]
+    assert (ours.tokenizer.apply_chat_template(messages, tokenize=False)
+            == theirs.apply_chat_template(messages, tokenize=False))
