@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from moe.generation.params import SamplingParams
-from moe.generation.sampler import Sampler, unpack_logprobs
+from moe.generation.sampler import Sampler, packed_width, top_logprobs, unpack_logprobs
 from moe.generation.text import StopText
 from moe.tokenizer import Tokenizer
 
@@ -100,9 +100,8 @@ class Rows:
             raise ValueError("stop strings need the checkpoint's tokenizer (tokenizer.json or tokenizer.model)")
         self.texts = [StopText(tokenizer, prompt, p.stop) if p.stop else None
                       for p, prompt in zip(params, prompts, strict=True)]
-        asked = [p.logprobs for p in params if p.logprobs is not None]
-        self.top = max(asked) if asked else None
-        self.width = 1 if self.top is None else 2 + 2 * self.top  # Sampler.packed_width, known on every rank
+        self.top = top_logprobs(params)
+        self.width = packed_width(self.top)
 
     def take(self, b: int, packed: list[int], on_token: Callable[[int, int], None] | None) -> None:
         if advance(self.out[b], self.params[b], self.eos, self.texts[b], packed, self.top) is not None and on_token:

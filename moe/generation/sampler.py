@@ -50,27 +50,20 @@ class Sampler:
                     self.counts_BV[b].index_add_(0, torch.tensor(output, device=device), torch.ones(len(output),
                                                                                                      device=device))
             self.presence, self.frequency = column("presence_penalty"), column("frequency_penalty")
-        asked = [p.logprobs for p in params if p.logprobs is not None]
-        self.top_logprobs = max(asked) if asked else None
-
-    @property
-    def packed_width(self) -> int:
-        """Values per row in the packed result: the token, then (with log-probabilities) the chosen one's and the
-        top-N's as float32 bits, and the top-N's ids."""
-        return 1 if self.top_logprobs is None else 2 + 2 * self.top_logprobs
+        self.top = top_logprobs(params)
 
     def __call__(self, logits_BV: torch.Tensor) -> torch.Tensor:
-        """[B, packed_width] int64: the next token of each row, and its log-probabilities when asked."""
+        """[B, packed_width(top_logprobs)] int64: the next token of each row, and its log-probabilities when asked."""
         raw_BV = logits_BV.float()
         logits_BV = self.penalise(raw_BV)
         tokens_B = logits_BV.argmax(dim=-1)
         if self.sampled:
             tokens_B = torch.where(self.greedy_B, tokens_B, self.draw(logits_BV / self.temperature))
-        if self.top_logprobs is None:
+        if self.top is None:
             return tokens_B[:, None]
         logp_BV = raw_BV.log_softmax(dim=-1)
         chosen_B1 = logp_BV.gather(1, tokens_B[:, None])
-        top = logp_BV.topk(self.top_logprobs, dim=-1)
+        top = logp_BV.topk(self.top, dim=-1)
         bits = torch.cat([chosen_B1, top.values], dim=1).view(torch.int32).long()
         return torch.cat([tokens_B[:, None], bits, top.indices], dim=1)
 
@@ -115,6 +108,18 @@ class Sampler:
             self.seen_BV.scatter_(1, tokens_B[:, None], True)
         if self.counts_BV is not None:
             self.counts_BV.scatter_add_(1, tokens_B[:, None], torch.ones_like(tokens_B[:, None], dtype=torch.float32))
+
+
+def top_logprobs(params: list[SamplingParams]) -> int | None:
+    """How many most likely tokens a batch reports per step: the most any of its rows asks for (None: none asks)."""
+    asked = [p.logprobs for p in params if p.logprobs is not None]
+    return max(asked) if asked else None
+
+
+def packed_width(top: int | None) -> int:
+    """Values per row of the sampler's packed result, known on every rank before the head's rank samples: the
+    token, then (with log-probabilities) the chosen one's and the top-N's as float32 bits, and the top-N's ids."""
+    return 1 if top is None else 2 + 2 * top
 
 
 def unpack_logprobs(row: list[int], top: int) -> tuple[float, list[tuple[int, float]]]:

@@ -44,7 +44,7 @@ class OpenAIServer:
         def authorized(endpoint):
             async def wrapped(request: HttpRequest) -> Response:
                 try:
-                    self.guarded(request, lambda _: None)
+                    self.check_key(request)
                     if self.state.dead:
                         raise ApiError(503, self.state.dead, kind="ServiceUnavailable")
                     return await endpoint(request)
@@ -71,10 +71,10 @@ class OpenAIServer:
             return JSONResponse({"status": "loading"}, 503)
         return JSONResponse({"status": "ok"})
 
-    async def models(self, request: HttpRequest) -> Response:
-        return self.guarded(request, lambda _: JSONResponse({"object": "list", "data": [
+    async def models(self, _: HttpRequest) -> Response:
+        return JSONResponse({"object": "list", "data": [
             {"id": self.state.served, "object": "model", "created": self.state.created, "owned_by": "moe-shard",
-             "max_model_len": self.state.max_model_len}]}))
+             "max_model_len": self.state.max_model_len}]})
 
     async def metrics(self, _: HttpRequest) -> Response:
         text = self.state.scheduler.metrics.text() if self.state.scheduler is not None else ""
@@ -234,10 +234,9 @@ class OpenAIServer:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the request body is not JSON ({e})") from None
 
-    def guarded(self, request: HttpRequest, respond):
+    def check_key(self, request: HttpRequest) -> None:
         if self.state.api_key and request.headers.get("authorization") != f"Bearer {self.state.api_key}":
             raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY)", kind="AuthenticationError")
-        return respond(request)
 
 
 async def forward(index: int, source: asyncio.Queue, merged: asyncio.Queue) -> None:

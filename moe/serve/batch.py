@@ -111,10 +111,7 @@ class RunningBatch:
         if length > self.clock:
             self._shift(length - self.clock)
         by = self.clock - length
-        for cache in p.caches.values():
-            for t in (cache.k, cache.v):
-                if by:
-                    t[:, :, by:].copy_(t[:, :, :self.length - by].clone())
+        _move_columns(p.caches, by, self.length)
         if self.rows:
             self.engine.caches = {name: _cat(self.engine.caches[name], c) for name, c in p.caches.items()}
         else:
@@ -152,16 +149,22 @@ class RunningBatch:
     def _shift(self, by: int) -> None:
         """Move every row's columns by `by` (right > 0, left < 0); the clock with them."""
         if self.rows and by:
-            for cache in self.engine.caches.values():
-                for t in (cache.k, cache.v):
-                    moved = t[:, :, max(0, -by):self.length - max(0, by)].clone()
-                    t[:, :, max(0, by):self.length - max(0, -by)] = moved
+            _move_columns(self.engine.caches, by, self.length)
             self.pad = [p + by for p in self.pad]
         self.clock += by
         self._set_padding()
 
     def _set_padding(self) -> None:
         self.engine.padding = Padding.of(torch.tensor(self.pad, dtype=torch.long), self.engine.device)
+
+
+def _move_columns(caches: dict[str, KVCache], by: int, length: int) -> None:
+    """Every cache's columns moved by `by` (right > 0, left < 0) within its `length`."""
+    if not by:
+        return
+    for cache in caches.values():
+        for t in (cache.k, cache.v):
+            t[:, :, max(0, by):length - max(0, -by)] = t[:, :, max(0, -by):length - max(0, by)].clone()
 
 
 def _rows(cache: KVCache, index: torch.Tensor) -> KVCache:

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from moe.generation.sampler import packed_width, top_logprobs
 from moe.serve.batch import Row, RunningBatch
 from moe.serve.scheduler import Plan, Scheduler
 
@@ -68,9 +69,8 @@ class EngineLoop:
 
     def _sample(self, logits: torch.Tensor | None, rows: list[Row]) -> None:
         """Sample on the head's rank, share with every rank, record; rank 0 delivers to the requests."""
-        asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
-        top = max(asked) if asked else None
-        width = 1 if top is None else 2 + 2 * top
+        top = top_logprobs([r.params for r in rows])
+        width = packed_width(top)
         packed = (self.batch.sample(logits, rows) if logits is not None
                   else torch.zeros(len(rows), width, dtype=torch.long, device=self.engine.device))
         shared = self.engine.share(packed.reshape(-1)).view(len(rows), width)

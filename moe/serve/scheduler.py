@@ -30,7 +30,7 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     sink: Callable[[tuple], None]  # gets ("token", id, text piece, logprob entry or None) and ("end", RowOutput)
-    text: StopText | None = None
+    text: StopText | None = None  # made when submitted: the text streamed, held back for stop strings
     id: int = 0
     out: RowOutput = field(default_factory=RowOutput)
     arrived: float = field(default_factory=time.perf_counter)
@@ -52,7 +52,7 @@ class Plan:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_queue: int, token_budget: int, eos: tuple[int, ...],
-                 tokenizer: Tokenizer | None, metrics) -> None:
+                 tokenizer: Tokenizer, metrics) -> None:
         self.max_num_seqs, self.max_queue, self.token_budget = max_num_seqs, max_queue, token_budget
         self.eos, self.tokenizer, self.metrics = eos, tokenizer, metrics
         self.waiting: deque[Request] = deque()
@@ -72,8 +72,7 @@ class Scheduler:
                 raise QueueFull(f"the queue is full ({len(self.waiting)} waiting, {len(self.running)} running)")
             request.id = next(self.ids)
             request.out.logprobs = [] if request.params.logprobs is not None else None
-            if request.params.stop or self.tokenizer is not None:
-                request.text = StopText(self.tokenizer, request.prompt, request.params.stop)
+            request.text = StopText(self.tokenizer, request.prompt, request.params.stop)
             self.waiting.append(request)
         self.wake.set()
         return request
@@ -142,13 +141,10 @@ class Scheduler:
                 entry = request.out.logprobs[-1] if request.out.logprobs else None
                 request.sink(("token", row[0], piece, entry))
             if request.out.finish_reason is not None:
-                if request.text is not None:
-                    rest = request.text.rest()
-                    if rest:
-                        request.sink(("token", None, rest, None))
+                if rest := request.text.rest():
+                    request.sink(("token", None, rest, None))
                 request.sink(("end", request.out))
                 self.metrics.finished(request)
-        self.wake.set()
 
     def fail_all(self, why: str) -> None:
         """A rank died: every request gets the error; nothing more is accepted."""
