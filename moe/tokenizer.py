@@ -63,16 +63,23 @@ class Tokenizer:
     def chat_template(self, given: str | None = None) -> str:
         """The template's source: `given` (the name of one of the checkpoint's named templates, or a source), else
         the checkpoint's (`moe.chat.template.find_chat_template`)."""
-        from moe.chat.template import NoChatTemplate, find_chat_template, named_templates
+        from moe.chat.template import NoChatTemplate
 
+        found, named = self._templates
         if given is not None:
-            return named_templates(self.path.parent).get(given, given)
-        found = find_chat_template(self.path.parent)
+            return named.get(given, given)
         if found is None:
             raise NoChatTemplate(f"{self.path.parent}: the checkpoint has no chat template (chat_template.jinja or "
                                  "tokenizer_config.json's chat_template); give one: --chat-template FILE, or "
                                  "chat_template=SOURCE")
         return found
+
+    @functools.cached_property
+    def _templates(self) -> tuple[str | None, dict[str, str]]:
+        """The checkpoint's chat template and its named ones, read once: every chat call and server request asks."""
+        from moe.chat.template import find_chat_template, named_templates
+
+        return find_chat_template(self.path.parent), named_templates(self.path.parent)
 
     def decode_continuation(self, prompt: list[int], new: list[int]) -> str:
         """Text of `new` as it reads after `prompt`: a tokenizer may drop a leading space at the start of a

@@ -128,8 +128,10 @@ def end_of_turn_text(source: str, special: dict[str, str]) -> str:
     return text[at + len(reply):] if at >= 0 else ""
 
 
+@functools.lru_cache(maxsize=32)
 def end_of_turn_id(tokenizer, source: str) -> int | None:
-    """The special token that ends an assistant's turn in this template (e.g. "<|im_end|>", "</s>"), or None."""
+    """The special token that ends an assistant's turn in this template (e.g. "<|im_end|>", "</s>"), or None; found
+    once per tokenizer and template (every chat call and server request asks)."""
     tail = end_of_turn_text(source, tokenizer.special_texts).strip()
     ids = tokenizer.encode_special(tail) if tail else []
     return ids[0] if ids and tokenizer.is_special(ids[0]) else None
