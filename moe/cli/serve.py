@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moe.cli.common import refuse_gpus_under_torchrun, run_command
+from moe.cli.common import add_model_args, refuse_gpus_under_torchrun, run_command
 from moe.parallel.distributed import under_torchrun
 
 EXAMPLES = """examples:
@@ -25,13 +25,9 @@ EXAMPLES = """examples:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="serve.py", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  description="Serve a mixture-of-experts model over OpenAI's HTTP API.")
-    ap.add_argument("--ckpt", required=True, help="checkpoint directory (Hugging Face or Mistral consolidated)")
-    ap.add_argument("--gpus", type=int, default=1, help="ranks to start here (default 1; not under torchrun)")
+    add_model_args(ap)
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "int8"], default=None)
-    ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks)")
     ap.add_argument("--attention", choices=["layer", "tensor"], default="layer", help="every block's attention")
     ap.add_argument("--experts", choices=["expert", "tensor", "layer"], default="expert", help="every block's experts")
     ap.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together (KV-cache rows)")
@@ -46,7 +42,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                     help="on SIGTERM, how long running requests may take to finish (default 30)")
     ap.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger request bodies get 413")
-    ap.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
     return ap
 
 
@@ -63,13 +58,15 @@ def serve_command(args: argparse.Namespace) -> int:
     from moe.serve.launch import ServeOptions, serve, serve_ranks
 
     refuse_gpus_under_torchrun(args)
+    if args.placement and args.gpus == 1 and not under_torchrun():
+        raise ValueError("--placement places blocks and experts over N ranks: give --gpus N, or run under torchrun")
     for flag in ("port", "max_num_seqs", "max_queue", "max_num_batched_tokens", "max_body_bytes"):
         if getattr(args, flag) < (0 if flag == "max_queue" else 1):
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be positive")
     options = ServeOptions(args.ckpt, args.host, args.port, args.dtype, args.device, args.max_num_seqs,
                            args.max_model_len, args.max_queue, args.max_num_batched_tokens, args.served_model_name,
                            args.api_key, args.max_body_bytes, args.drain_timeout, args.threads, args.attention,
-                           args.experts)
+                           args.experts, args.placement, args.timeout, not args.quiet)
     if args.gpus > 1 and not under_torchrun():
         return serve_ranks(options, args.gpus)
     return serve(options)

@@ -5,7 +5,6 @@ stops accepting, lets the running requests finish within the drain time, then te
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import sys
@@ -13,9 +12,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from moe.parallel.distributed import DEFAULT_TIMEOUT_S
 from moe.serve.app import OpenAIServer, ServerState
-
-log = logging.getLogger("moe.serve")
 
 
 @dataclass(frozen=True)
@@ -36,6 +34,9 @@ class ServeOptions:
     threads: int | None = None
     attention: str = "layer"
     experts: str = "expert"
+    placement: str | None = None  # a placement file (`--placement`)
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    progress: bool = True  # checkpoint reading shown on rank 0
 
 
 def serve(options: ServeOptions) -> int:
@@ -52,7 +53,8 @@ def serve(options: ServeOptions) -> int:
     try:
         model = MoEModel.from_pretrained(options.ckpt, dtype=options.dtype, device=options.device,
                                          threads=options.threads, attention=options.attention,
-                                         experts=options.experts)
+                                         experts=options.experts, placement=options.placement,
+                                         timeout_s=options.timeout_s, progress=options.progress and rank == 0)
     except BaseException as e:
         state.dead = f"loading failed: {e}"
         _stop_http(http)
@@ -126,34 +128,18 @@ def _stop_http(http) -> None:
         thread.join(timeout=5)
 
 
-def serve_rank(conn, options: ServeOptions, rank: int, world_size: int, port: int) -> None:
+def serve_rank(rank: int, world_size: int, port: int, options: ServeOptions) -> None:
     """A rank process of `--gpus N`: joins the group as a torchrun rank would, then serves."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    serve(options)  # returns after a drain (the entry then exits 0); a failure raises
+    serve(options)  # returns after a drain (the rank then exits 0); a failure raises
 
 
 def serve_ranks(options: ServeOptions, world_size: int) -> int:
     """Start N rank processes and wait: SIGTERM or Ctrl-C here is passed to rank 0, which drains and stops all."""
-    from moe.parallel.distributed import free_port
-    from moe.workers.group import _stop
-    from moe.workers.spawn import start_rank
+    from moe.workers.group import run_ranks
 
-    port, ranks = free_port(), []
     threads = options.threads or max(1, (os.cpu_count() or 1) // world_size)
     options = ServeOptions(**{**options.__dict__, "threads": threads})
-    for rank in range(world_size):
-        ranks.append(start_rank(rank, "moe.serve.launch:serve_rank", (options, rank, world_size, port), threads))
-    forward = lambda *_: ranks[0].proc.poll() is None and ranks[0].proc.send_signal(signal.SIGTERM)  # noqa: E731
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    try:
-        while any(rp.proc.poll() is None for rp in ranks):
-            failed = [rp for rp in ranks if rp.proc.poll() not in (None, 0)]
-            if failed:
-                log.error("rank %d failed (exit code %s); stopping the others", failed[0].rank, failed[0].proc.poll())
-                return 1
-            time.sleep(0.2)
-        return 0 if all(rp.proc.returncode == 0 for rp in ranks) else 1
-    finally:
-        _stop(ranks)
+    run_ranks(serve_rank, world_size, options, threads=threads, stop_through_rank0=True)
+    return 0

@@ -208,11 +208,14 @@ def batch_rank(conn, target: str, rank: int, world_size: int, port: int, *args) 
     resolve(target)(rank, world_size, port, *args)
 
 
-def run_ranks(target: Callable, world_size: int, *args, master_port: int | None = None) -> None:
+def run_ranks(target: Callable, world_size: int, *args, master_port: int | None = None, threads: int | None = None,
+              stop_through_rank0: bool = False) -> None:
     """Run target(rank, world_size, port, *args) in N processes until all return; if one fails, stop all.
 
-    For batch jobs (training) that need no requests from the parent; each rank prints its own traceback.
-    `target` must be importable by name (a module-level function of a module, not of `__main__`).
+    For jobs that need no requests from the parent; each rank prints its own traceback. `target` must be importable
+    by name (a module-level function of a module, not of `__main__`). `threads`: each rank's thread pool.
+    `stop_through_rank0`: SIGTERM or Ctrl-C here is passed to rank 0 as SIGTERM, for jobs whose rank 0 stops the
+    others in order (the server drains), instead of ending the wait here.
     """
     refusal = rank_processes_refusal(world_size)
     if refusal is not None:
@@ -225,9 +228,17 @@ def run_ranks(target: Callable, world_size: int, *args, master_port: int | None 
     port = master_port or free_port()
     name = f"{target.__module__}:{target.__qualname__}"
     ranks: list[RankProcess] = []
+    saved = {}
     try:
         for rank in range(world_size):
-            ranks.append(start_rank(rank, "moe.workers.group:batch_rank", (name, rank, world_size, port, *args)))
+            ranks.append(start_rank(rank, "moe.workers.group:batch_rank", (name, rank, world_size, port, *args),
+                                    threads))
+        if stop_through_rank0:
+            def to_rank0(*_) -> None:
+                if ranks[0].proc.poll() is None:
+                    ranks[0].proc.send_signal(signal.SIGTERM)
+
+            saved = {sig: signal.signal(sig, to_rank0) for sig in (signal.SIGTERM, signal.SIGINT)}
         running = {id(rp.conn): rp for rp in ranks}  # a rank's pipe closes when its process ends
         while running:
             for conn in wait([rp.conn for rp in running.values()]):
@@ -237,4 +248,6 @@ def run_ranks(target: Callable, world_size: int, *args, master_port: int | None 
                     how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
                     raise RankFailure(f"rank {rp.rank} failed ({how}); stopped all {world_size} ranks")
     finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
         _stop(ranks)
