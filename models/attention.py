@@ -13,6 +13,7 @@ the same at every step, which a compiled step and a CUDA graph need).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ from models.kernels import choice as kc
 from models.kernels import native
 from models.kernels.choice import KernelChoice
 from models.rope import frequencies_for_length, inverse_frequencies
+from models.sinks import sink_attention
 
 
 class LayerNorm(nn.Module):
@@ -148,24 +150,46 @@ class AttentionContext:
     def decoding(self) -> bool:
         return self.slot is not None or self.start > 0
 
+    full: AttentionContext | None = None  # for blocks that attend fully in a model whose others slide a window
+
+    def for_block(self, full: bool) -> AttentionContext:
+        """The context of a block that attends fully (`full`) or slides the config's window."""
+        return self.full if full and self.full is not None else self
+
+    def rows(self, a: int, b: int) -> AttentionContext:
+        """The context of sequences a..b of the batch (a rank's slice of it)."""
+        mask = self.mask[a:b] if self.mask is not None and self.mask.shape[0] > 1 else self.mask
+        full = self.full.rows(a, b) if self.full is not None else None
+        return dataclasses.replace(self, cos=self.cos[a:b], sin=self.sin[a:b], mask=mask, full=full)
+
     @classmethod
     def build(cls, cfg: ModelConfig, rotary: RotaryTable, batch: int, seq: int, start: int, padding: Padding | None,
               device: torch.device, dtype: torch.dtype) -> AttentionContext:
         q_slot = torch.arange(start, start + seq, device=device)  # [S]
-        padded = padding is not None
-        pad = padding.device_B if padded else None
-        positions = (q_slot[None, :] - pad[:, None]).clamp(min=0) if padded else q_slot[None, :].expand(batch, -1)
+        pad = padding.device_B if padding is not None else None
+        positions = (q_slot[None, :] - pad[:, None]).clamp(min=0) if pad is not None else \
+            q_slot[None, :].expand(batch, -1)
         cos, sin = rotary(positions, dtype, start + seq)
-        window_cuts = cfg.sliding_window is not None and start + seq > cfg.sliding_window
-        if not padded and not window_cuts and (start == 0 or seq == 1):
+        ctx = cls._masked(cfg.sliding_window, start, seq, pad, cos, sin)
+        if cfg.full_layers and cfg.sliding_window is not None:
+            ctx.full = cls._masked(None, start, seq, pad, cos, sin)
+        return ctx
+
+    @classmethod
+    def _masked(cls, window: int | None, start: int, seq: int, pad: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor) -> AttentionContext:
+        """The context of blocks that slide `window` (None: attend to every earlier position)."""
+        window_cuts = window is not None and start + seq > window
+        if pad is None and not window_cuts and (start == 0 or seq == 1):
             # No explicit mask: SDPA's causal kernel skips the masked half of a prompt; one new token sees all.
             return cls(start=start, cos=cos, sin=sin, mask=None, is_causal=start == 0 and seq > 1)
-        k_slot = torch.arange(start + seq, device=device)  # [L]
+        q_slot = torch.arange(start, start + seq, device=cos.device)  # [S]
+        k_slot = torch.arange(start + seq, device=cos.device)  # [L]
         causal = k_slot[None, :] <= q_slot[:, None]  # [S, L]
-        if cfg.sliding_window is not None:
-            causal &= k_slot[None, :] > q_slot[:, None] - cfg.sliding_window
+        if window is not None:
+            causal &= k_slot[None, :] > q_slot[:, None] - window
         mask = causal[None]  # [1, S, L]: the same for every sequence
-        if padded:
+        if pad is not None:
             # Padding slots are never attended to; a padding query still sees itself so no row is all -inf (NaN).
             real_key = k_slot[None, :] >= pad[:, None]  # [B, L]
             diagonal = k_slot[None, :] == q_slot[:, None]  # [S, L]
@@ -177,17 +201,25 @@ class AttentionContext:
                 pad_B: torch.Tensor | None, dtype: torch.dtype) -> AttentionContext:
         """One new token per sequence at cache slot `slot` ([1] long, on the device) of a `length`-slot cache:
         the same masks and positions as `build`, over every slot of the cache, from tensors only."""
-        k_slot = torch.arange(length, device=slot.device)  # [L]
-        visible = k_slot <= slot  # [L]: the slots written so far (later ones hold an earlier request's keys)
-        if cfg.sliding_window is not None:
-            visible &= k_slot > slot - cfg.sliding_window
         positions = slot.expand(batch)[:, None]  # [B, 1]
-        mask = visible.expand(batch, length)
         if pad_B is not None:
             positions = (positions - pad_B[:, None]).clamp(min=0)
-            mask = mask & (k_slot[None, :] >= pad_B[:, None])  # a decode query is never a padding slot
         cos, sin = rotary(positions, dtype, slot + 1 if cfg.rope_scaling.by_length else length)
-        return cls(start=-1, cos=cos, sin=sin, mask=mask[:, None, None, :], slot=slot)
+
+        def masked(window: int | None) -> AttentionContext:
+            k_slot = torch.arange(length, device=slot.device)  # [L]
+            visible = k_slot <= slot  # [L]: the slots written so far (later ones hold an earlier request's keys)
+            if window is not None:
+                visible &= k_slot > slot - window
+            mask = visible.expand(batch, length)
+            if pad_B is not None:
+                mask = mask & (k_slot[None, :] >= pad_B[:, None])  # a decode query is never a padding slot
+            return cls(start=-1, cos=cos, sin=sin, mask=mask[:, None, None, :], slot=slot)
+
+        ctx = masked(cfg.sliding_window)
+        if cfg.full_layers and cfg.sliding_window is not None:
+            ctx.full = masked(None)
+        return ctx
 
 
 class KVCache:
@@ -216,9 +248,11 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.full = layer in cfg.full_layers  # attends to every position where other blocks slide a window
+        self.sinks = nn.Parameter(torch.empty(cfg.n_heads)) if cfg.sinks else None  # gpt-oss: a logit per head
         self.wq = Linear(cfg.dim, cfg.n_heads * cfg.head_dim, cfg.qkv_bias)
         self.wk = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, cfg.qkv_bias)
         self.wv = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, cfg.qkv_bias)
@@ -258,6 +292,7 @@ class Attention(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor, ctx: AttentionContext, cache: KVCache | None) -> torch.Tensor:
         B, S, _ = x_BSD.shape
+        ctx = ctx.for_block(self.full)
         q, k, v = self.project_qkv(x_BSD)
         if self.qk_norm == "projection":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -277,7 +312,9 @@ class Attention(nn.Module):
         elif cache is not None:
             k, v = cache.update(ctx.start, k, v)  # [B, G, start+S, Dh]
         path = self.choice.attention(S == 1, ctx.is_causal, self.head_dim) if self.choice else kc.SDPA
-        if S == 1 and path == kc.NATIVE_ATTENTION:  # one query: never causal (`AttentionContext.build`)
+        if self.sinks is not None:  # no library attention takes sinks: the softmax written out, in fp32
+            out = sink_attention(q, k, v, ctx.mask, ctx.is_causal, self.sinks).to(x_BSD.dtype)
+        elif S == 1 and path == kc.NATIVE_ATTENTION:  # one query: never causal (`AttentionContext.build`)
             # One query against the cache, in fp32: 31 -> 11 us a block (a bf16 cache: 52 -> 11) for a step of
             # `small` on 256 cache slots, 100 of them filled (torch's SDPA calls a matrix product per head and
             # reads the unfilled slots too; with a bf16 cache it first copies the whole cache to fp32). Where the

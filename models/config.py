@@ -58,6 +58,13 @@ class ModelConfig:
     shared_gate: bool = False  # its output scaled by sigmoid(shared_expert_gate(x))
     dense_layers: tuple[int, ...] = ()  # blocks whose feed-forward is one dense MLP, no experts (Qwen2/3-MoE)
     dense_hidden_dim: int | None = None  # its width (`intermediate_size`)
+    full_layers: tuple[int, ...] = ()  # blocks that attend to every position though `sliding_window` is set (gpt-oss)
+    sinks: bool = False  # a learned logit per head joins each softmax's denominator (gpt-oss)
+    router_bias: bool = False  # the router's gate has a bias (gpt-oss)
+    expert_bias: bool = False  # every expert's products have biases (gpt-oss)
+    glu: str = "silu"  # the experts' gated unit: "silu", silu(gate) * up; "clamped", gpt-oss's (`models.mixture.Glu`)
+    glu_alpha: float = 1.702  # "clamped": gate * sigmoid(alpha * gate)
+    glu_limit: float = 7.0  # "clamped": gate clamped above, up on both sides
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "vocab_size",
@@ -81,6 +88,10 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.n_experts > 1
+
+    def window_of(self, layer: int) -> int | None:
+        """The window block `layer` slides, or None where it attends to every earlier position."""
+        return None if layer in self.full_layers else self.sliding_window
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)

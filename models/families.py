@@ -14,9 +14,9 @@ from typing import Any
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
                  "granitemoe": "GraniteMoeForCausalLM", "phimoe": "PhimoeForCausalLM",
-                 "qwen2_moe": "Qwen2MoeForCausalLM"}
-NOT_YET = {"deepseek_v2": "multi-head latent attention",
-           "deepseek_v3": "multi-head latent attention", "gpt_oss": "attention sinks and MXFP4 experts"}
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+NOT_YET = {"deepseek_v2": "multi-head latent attention", "deepseek_v3": "multi-head latent attention"}
+LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 class FamilyError(ValueError):
@@ -54,6 +54,8 @@ def knobs(cfg: dict[str, Any]) -> dict[str, Any]:
                 "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
                 "attention_scale": float(cfg.get("attention_multiplier", 1.0)),
                 "logits_scaling": float(cfg.get("logits_scaling", 1.0))}
+    elif family == "gpt_oss":
+        out |= _gpt_oss(cfg)
     elif family == "phimoe":
         out |= {"router": "sparsemixer", "router_jitter": float(cfg.get("router_jitter_noise", 0.01)),
                 "norm": "layer", "head_bias": bool(cfg.get("lm_head_bias", False))}
@@ -80,6 +82,19 @@ def _qwen_like(cfg: dict[str, Any], family: str) -> dict[str, Any]:
     if cfg.get("clip_qkv") is not None:
         out["clip_qkv"] = float(cfg["clip_qkv"])
     return out
+
+
+def _gpt_oss(cfg: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss: a biased router (softmax of the top-k logits), biased experts with the clamped gated unit, attention
+    sinks, and blocks alternating a sliding window with full attention (`layer_types`)."""
+    n = cfg.get("num_hidden_layers", 0)
+    types = cfg.get("layer_types") or [LAYER_TYPES[i % 2] for i in range(n)]  # transformers' default
+    if len(types) != n or any(t not in LAYER_TYPES for t in types):
+        raise FamilyError(f"config.json's layer_types must list {n} of {', '.join(LAYER_TYPES)}, got {types!r}")
+    return {"router_bias": True, "expert_bias": True, "sinks": True, "glu": "clamped",
+            "glu_alpha": float(cfg.get("swiglu_alpha", 1.702)), "glu_limit": float(cfg.get("swiglu_limit", 7.0)),
+            "qkv_bias": bool(cfg.get("attention_bias", True)), "o_bias": bool(cfg.get("attention_bias", True)),
+            "full_layers": tuple(i for i, t in enumerate(types) if t == "full_attention")}
 
 
 def _is_dense(cfg: dict[str, Any], layer: int) -> bool:
@@ -119,6 +134,9 @@ def hf_fields(cfg) -> dict[str, Any]:
     elif family == "granitemoe":
         out |= {"embedding_multiplier": cfg.embedding_multiplier, "residual_multiplier": cfg.residual_multiplier,
                 "attention_multiplier": cfg.attention_scale, "logits_scaling": cfg.logits_scaling}
+    elif family == "gpt_oss":
+        out |= {"num_local_experts": cfg.n_experts, "swiglu_alpha": cfg.glu_alpha, "swiglu_limit": cfg.glu_limit,
+                "layer_types": [LAYER_TYPES[i in cfg.full_layers] for i in range(cfg.n_layers)]}
     elif family == "phimoe":
         out |= {"router_jitter_noise": cfg.router_jitter, "lm_head_bias": cfg.head_bias}
     return out

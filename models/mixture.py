@@ -7,8 +7,7 @@ N = T*K token copies.
 - `LocalDispatcher`: `dispatch` groups the N copies by expert; `combine` weights and sums the results.
   Expert parallelism (`moe.parallel.dispatch`) swaps in a dispatcher that also exchanges the grouped
   copies between ranks; neither the router nor the experts change.
-- `GroupedExperts`: stacked SwiGLU weights `w1 [El, F, D]`, `w2 [El, D, F]`, `w3 [El, F, D]` for the
-  global experts `expert_ids`; sees only copies already grouped by expert.
+- `GroupedExperts` (`models.experts`): the stacked experts held here; sees only copies already grouped by expert.
 """
 
 from __future__ import annotations
@@ -16,167 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from models import weights
 from models.basic import Linear
 from models.config import ModelConfig
-from models.kernels import choice as kc
-from models.kernels import native
-from models.kernels.choice import KernelChoice
+from models.experts import DenseMLP, GroupedExperts
 from models.router import Router, routing_checksum
 
-
-class GroupedExperts(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int, expert_ids: list[int]) -> None:
-        super().__init__()
-        self.expert_ids = list(expert_ids)  # global id of each stacked expert, in order
-        n = len(self.expert_ids)
-        self.w1 = nn.Parameter(torch.empty(n, hidden_dim, dim))
-        self.w2 = nn.Parameter(torch.empty(n, dim, hidden_dim))
-        self.w3 = nn.Parameter(torch.empty(n, hidden_dim, dim))
-        # Inference: per stacked expert, (w1 and w3 fused, w2) in their fastest format (models.weights).
-        self.kernels: list[tuple[weights.LinearWeight, weights.LinearWeight]] | None = None
-        # Plain inference weights also stay stacked, w13 [El, 2F, D] and w2 [El, D, F] (the experts' kernels are
-        # views of them), for grouped products of all local experts at once: on CPU the streaming kernel
-        # (`choice.native`; int8 stacks with their scales [El, 2F] and [El, D]), on CUDA `torch._grouped_mm` with the
-        # offsets on the device (`offsets_on_device`: bf16, never run there). Neither reads counts on the host.
-        self.stacks: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.scales: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.choice: KernelChoice | None = None  # inference: which products run (`KernelChoice.product`)
-        self.offsets_on_device = False
-
-    def forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor | list[int]) -> torch.Tensor:
-        """x_ND holds counts_El[0] copies for stacked expert 0, then counts_El[1] for expert 1, ...
-        A dispatcher that already read the counts on the host passes them as a list."""
-        path = self.choice.product(x_ND.shape[0], native.EXPERT_MAX_ROWS) if self.choice else None
-        if self.stacks is not None and path in (kc.NATIVE_DECODE, kc.NATIVE_PROMPT):
-            # dtype given: a rank holding none of the block's experts gets [] from the all-to-all (torch: float)
-            counts = torch.as_tensor(counts_El, dtype=torch.long, device=x_ND.device)
-            return self.streamed_forward(x_ND, counts, native.grouped if path == kc.NATIVE_DECODE
-                                         else native.prompt_grouped)
-        if self.offsets_on_device and self.stacks is not None and isinstance(counts_El, torch.Tensor):
-            return self.grouped(x_ND, counts_El)
-        # One host sync per layer (none if the dispatcher read them): the counts decide which experts run.
-        counts = counts_El.tolist() if isinstance(counts_El, torch.Tensor) else counts_El
-        training = torch.is_grad_enabled() and self.w1.requires_grad
-        # unbind: one view per expert, whose backward stacks the gradients once (indexing would zero-fill)
-        stacks = list(zip(self.w1.unbind(0), self.w2.unbind(0), self.w3.unbind(0), strict=True)) if training else None
-        outs, start = [], 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue  # an expert that got no token does not run
-            x = x_ND[start:start + n]
-            if self.kernels is not None:
-                outs.append(fused_swiglu(x, *self.kernels[e]))
-            else:  # index only the experts that run
-                outs.append(swiglu(x, *(stacks[e] if stacks else (self.w1[e], self.w2[e], self.w3[e]))))
-            start += n
-        # Concatenating (not writing into slices of a buffer) keeps the backward pass free of zero-filled copies.
-        return torch.cat(outs) if outs else x_ND.new_empty((0, self.w2.shape[1]))
-
-    def prepare_weights(self, choice: KernelChoice) -> None:
-        """For inference: each expert's w1/w3 fused and w2, in their fastest format; the stacks keep shapes."""
-        if self.kernels is not None or self.w1.is_meta:
-            return
-        self.choice = choice
-        fmt = weights.format_for(self.w1, choice)
-        w1, w2, w3 = self.w1.detach(), self.w2.detach(), self.w3.detach()
-        experts = range(len(self.expert_ids))
-        if fmt in (weights.Dense, weights.Streamed):  # stacked once, [El, 2F, D]; each expert's kernel is a view
-            self.stacks = (torch.cat([w1, w3], dim=1), w2)
-            # One expert at a time (`forward`, where prompts do not run the prompt kernel: bf16 on a CPU with bf16
-            # instructions), its rows take the streaming kernel up to the grouped call's limit, as they would in it:
-            # a block whose copies a gathered step on N ranks runs one by one (its rows padded past that limit)
-            # gives 1 rank's bits, where oneDNN's products from 9 rows on did not.
-            limit = native.EXPERT_MAX_ROWS
-            self.kernels = [(fmt(self.stacks[0][e], choice, limit), fmt(w2[e], choice, limit)) for e in experts]
-            self.offsets_on_device = grouped_mm_runs(w1)
-        elif fmt is weights.Int8 and choice.native:  # quantized as stacks, likewise
-            E, F, D = w1.shape
-            q13, s13 = weights.quantize_each((torch.cat([w1[e], w3[e]]) for e in experts), (E, 2 * F, D), w1.device)
-            q2, s2 = weights.quantize_each(w2, w2.shape, w2.device)
-            self.stacks, self.scales = (q13, q2), (s13, s2)
-            self.kernels = [(weights.Int8(q13[e], s13[e], w1.dtype, choice),
-                             weights.Int8(q2[e], s2[e], w1.dtype, choice)) for e in experts]
-        elif fmt is weights.Int8:
-            self.kernels = [(weights.Int8.of(torch.cat([w1[e], w3[e]]), choice), weights.Int8.of(w2[e], choice))
-                            for e in experts]
-        else:  # converted expert by expert: one expert's w1/w3 copy at a time on top of the stacks
-            self.kernels = [(fmt(torch.cat([w1[e], w3[e]]), choice), fmt(w2[e], choice)) for e in experts]
-        for name in ("w1", "w2", "w3"):
-            setattr(self, name, weights.shape_only(getattr(self, name)))
-
-    def streamed_forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor, product) -> torch.Tensor:
-        """All local experts in two calls of the native decode kernel (`product`; prompts: `native.prompt_grouped`;
-        int8: the same bits per row), which reads the counts itself and only the weights of experts that got rows.
-        Rows past the last group come out as zeros."""
-        (w13, w2), (s13, s2) = self.stacks, self.scales or (None, None)
-        h = product(x_ND, w13, counts_El, s13)
-        hidden = w2.shape[2]
-        return product(F.silu(h[:, :hidden]).mul_(h[:, hidden:]), w2, counts_El, s2)
-
-    def grouped(self, x_ND: torch.Tensor, counts_El: torch.Tensor) -> torch.Tensor:
-        """All local experts in two grouped products whose group offsets stay on the device. Rows past the
-        last offset (copies for no expert here, sorted last by the gathering dispatcher) come out as zeros."""
-        w13, w2 = self.stacks
-        offsets = counts_El.cumsum(0).to(torch.int32)
-        h = torch._grouped_mm(x_ND, w13.transpose(1, 2), offs=offsets)
-        hidden = w2.shape[2]
-        y = torch._grouped_mm(F.silu(h[:, :hidden]) * h[:, hidden:], w2.transpose(1, 2), offs=offsets)
-        computed = torch.arange(x_ND.shape[0], device=x_ND.device) < offsets[-1]
-        return torch.where(computed[:, None], y, 0)  # rows _grouped_mm did not write hold whatever memory held
-
-    def dense(self, name: str) -> torch.Tensor:
-        """Stacked weight `name` ("w1", "w2", "w3") as a plain tensor (converted back if converted)."""
-        if self.kernels is None:
-            return getattr(self, name).detach()
-        hidden = self.w1.shape[1]
-        if name == "w2":
-            return torch.stack([w2.dense() for _, w2 in self.kernels])
-        rows = slice(0, hidden) if name == "w1" else slice(hidden, 2 * hidden)
-        return torch.stack([w13.dense()[rows] for w13, _ in self.kernels])
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.kernels is not None:
-            for name in ("w1", "w2", "w3"):
-                destination[prefix + name] = self.dense(name)
-
-
-class DenseMLP(nn.Module):
-    """w2(silu(w1 x) * w3 x) with plain linear layers: a shared expert, or a dense layer's feed-forward."""
-
-    def __init__(self, dim: int, hidden_dim: int) -> None:
-        super().__init__()
-        self.w1, self.w2, self.w3 = Linear(dim, hidden_dim), Linear(hidden_dim, dim), Linear(dim, hidden_dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-def grouped_mm_runs(w: torch.Tensor) -> bool:
-    """`torch._grouped_mm` runs these stacked experts: bf16 on a CUDA GPU that the installed torch has the grouped
-    product for (Hopper, compute capability 9.0, and later). Elsewhere experts run one by one (never run on CUDA)."""
-    if w.device.type != "cuda" or w.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
-        return False
-    return torch.cuda.get_device_capability(w.device) >= (9, 0)
-
-
-def fused_swiglu(x: torch.Tensor, w13: weights.LinearWeight, w2: weights.LinearWeight) -> torch.Tensor:
-    """swiglu with w1 and w3 stacked in one weight: one product for both (inference only)."""
-    h = w13(x)
-    hidden = h.shape[-1] // 2
-    return w2(F.silu(h[:, :hidden]).mul_(h[:, hidden:]))
-
-
-def swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
-    """(silu(x w1^T) * x w3^T) w2^T; without autograd the activation is computed in place (fewer temporaries)."""
-    h = F.linear(x, w1)
-    if torch.is_grad_enabled() and (x.requires_grad or h.requires_grad):
-        return F.linear(F.silu(h) * F.linear(x, w3), w2)
-    return F.linear(F.silu(h, inplace=True).mul_(F.linear(x, w3)), w2)
+__all__ = ["GroupedExperts", "MoEFeedForward", "LocalDispatcher", "weighted_sum"]
 
 
 @dataclass
@@ -285,9 +131,9 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         self.n_experts, self.dense = cfg.n_experts, dense
         self.gate = None if dense else Router(cfg.dim, cfg.n_experts, cfg.top_k, cfg.router, cfg.norm_topk_prob,
-                                              cfg.router_jitter)
+                                              cfg.router_jitter, cfg.router_bias)
         ids = [] if dense else expert_ids or list(range(cfg.n_experts))
-        self.experts = GroupedExperts(cfg.dim, cfg.hidden_dim, ids)
+        self.experts = GroupedExperts.of(cfg, ids)
         self.dispatcher = LocalDispatcher(cfg.n_experts)
         # Token copies routed to each expert: row 0 prefill, row 1 decode. Counted on device, read on demand.
         self.register_buffer("load_counts", torch.zeros(2, cfg.n_experts, dtype=torch.long), persistent=False)

@@ -17,12 +17,13 @@ class Router(nn.Module):
     `renormalise` (Qwen2/3-MoE, OLMoE); "sparsemixer", PhiMoE's top-2 (`sparsemixer`)."""
 
     def __init__(self, dim: int, n_experts: int, top_k: int, kind: str = "mixtral", renormalise: bool = True,
-                 jitter: float = 0.0) -> None:
+                 jitter: float = 0.0, bias: bool = False) -> None:
         super().__init__()
         self.n_experts, self.top_k = n_experts, top_k
         self.kind, self.renormalise, self.jitter = kind, renormalise, jitter
         # A dense checkpoint (E=1) has no gate: every token goes to expert 0 with weight 1.
         self.weight = nn.Parameter(torch.empty(n_experts, dim)) if n_experts > 1 else None
+        self.bias = nn.Parameter(torch.empty(n_experts)) if bias and n_experts > 1 else None  # gpt-oss
         # Debug mode: copy j of token t goes to expert (t*K + j) % E, weight 1/K; exact loads for tests.
         self.round_robin = False
         # Sum over routed tokens of the entropy of the full router distribution (for load reports), kept only
@@ -40,7 +41,7 @@ class Router(nn.Module):
             ids_TK = torch.arange(T * self.top_k, device=x_TD.device).view(T, self.top_k) % self.n_experts
             weights_TK = torch.full((T, self.top_k), 1.0 / self.top_k, device=x_TD.device)
             return weights_TK, ids_TK
-        logits_TE = F.linear(x_TD, self.weight).float()
+        logits_TE = F.linear(x_TD, self.weight, self.bias).float()
         if self.track_entropy and counting:
             with torch.no_grad():
                 logp_TE = torch.log_softmax(logits_TE, dim=-1)

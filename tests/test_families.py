@@ -31,6 +31,12 @@ FAMILIES = {
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM",
                    dict(num_local_experts=6, num_experts_per_tok=3, embedding_multiplier=3.0, residual_multiplier=0.4,
                         attention_multiplier=0.09, logits_scaling=2.5, attention_bias=True)),
+    # alternating windows (2 shorter than the prompts), sinks, yarn without truncation, a clamp the weights reach
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(head_dim=16, num_local_experts=6, num_experts_per_tok=3, sliding_window=5, swiglu_limit=1.5,
+                     swiglu_alpha=1.2, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0,
+                                                            beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                                            original_max_position_embeddings=32))),
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM",
                dict(num_local_experts=4, num_experts_per_tok=2, attention_bias=True, lm_head_bias=True,
                     router_jitter_noise=0.3, sliding_window=None)),
@@ -44,7 +50,7 @@ def hf_family(name: str, seed: int = 0):
     model = getattr(transformers, model_class)(getattr(transformers, config_class)(**(COMMON | knobs)))
     with torch.no_grad():  # norms and biases away from their initial ones and zeros, so that a wrong one shows
         for n, p in model.named_parameters():
-            if "norm" in n or n.endswith("bias"):
+            if "norm" in n or n.endswith(("bias", "sinks")):
                 p.normal_(1.0 if n.endswith("weight") else 0.0, 0.3)
     return model.eval()
 

@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 
 from models.config import ModelConfig
+from moe.checkpoint.encodings import restack
 from moe.checkpoint.files import CheckpointError
-from moe.checkpoint.formats import HF, is_stacked_expert, name_map, restack
+from moe.checkpoint.formats import HF, is_stacked_expert, name_map
 from moe.checkpoint.slices import reassemble
 from moe.checkpoint.writer import (
     dtype_name,

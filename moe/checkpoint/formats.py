@@ -8,11 +8,8 @@ half-split one: `to_half_split` / `to_interleaved` convert at the boundary.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import itertools
 import json
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,10 +17,11 @@ from pathlib import Path
 import torch
 
 from models.config import ConfigError, ModelConfig
-from moe.checkpoint.files import CheckpointError, TensorInfo, read_header, refuse_pickles
+from moe.checkpoint.files import CheckpointError, read_header, refuse_pickles
 
 HF, MISTRAL = "hf", "mistral"
 HF_FUSED = "hf-fused"  # a Hugging Face directory whose experts are transformers 5's fused 3-D tensors
+HF_MXFP4 = "hf-mxfp4"  # a Hugging Face directory whose experts are MXFP4 blocks and scales (gpt-oss as shipped)
 
 _COMMON_HF = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -81,7 +79,7 @@ _NORM_BIAS = {"layers.{i}.attention_norm.bias": "model.layers.{i}.input_layernor
 
 # Experts stored as one 3-D tensor per block: GraniteMoE's Hub names, and transformers 5's fused layout
 # (`experts.gate_up_proj` [E, 2F, D] with gate rows first, `experts.down_proj` [E, D, F]). `#e` names row e of such
-# a tensor, `#e:k/n` its k-th of n equal parts (`expand_stacked` makes them readable like per-expert tensors).
+# a tensor, `#e:k/n` its k-th of n equal parts (`encodings.catalog` makes them readable like per-expert tensors).
 _GRANITE_FFN = {
     "layers.{i}.feed_forward.gate.weight": "model.layers.{i}.block_sparse_moe.router.layer.weight",
     "layers.{i}.feed_forward.experts.w1": "model.layers.{i}.block_sparse_moe.input_linear.weight#{e}:0/2",
@@ -100,6 +98,22 @@ def _fused_ffn(family: str) -> dict[str, str]:
             "layers.{i}.feed_forward.experts.w2": f"{at}.experts.down_proj#{{e}}"}
 
 
+def _gpt_oss(fmt: str) -> dict[str, str]:
+    """gpt-oss: its router, biased experts with gate and up rows interleaved, and attention sinks. transformers keeps
+    the experts as [E, in, out] (read transposed); shipped MXFP4 blocks decode to [E, out, in] (`encodings`)."""
+    at = "model.layers.{i}.mlp"
+    t = "" if fmt == HF_MXFP4 else ":T"
+    return {"layers.{i}.feed_forward.gate.weight": f"{at}.router.weight",
+            "layers.{i}.feed_forward.gate.bias": f"{at}.router.bias",
+            "layers.{i}.feed_forward.experts.w1": f"{at}.experts.gate_up_proj#{{e}}:0%2{t}",
+            "layers.{i}.feed_forward.experts.w3": f"{at}.experts.gate_up_proj#{{e}}:1%2{t}",
+            "layers.{i}.feed_forward.experts.w2": f"{at}.experts.down_proj#{{e}}{t}",
+            "layers.{i}.feed_forward.experts.b1": f"{at}.experts.gate_up_proj_bias#{{e}}:0%2",
+            "layers.{i}.feed_forward.experts.b3": f"{at}.experts.gate_up_proj_bias#{{e}}:1%2",
+            "layers.{i}.feed_forward.experts.b2": f"{at}.experts.down_proj_bias#{{e}}",
+            "layers.{i}.attention.sinks": "model.layers.{i}.self_attn.sinks"}
+
+
 _DENSE_MLP = {f"layers.{{i}}.feed_forward.shared.{ours}.weight": f"model.layers.{{i}}.mlp.{hf}.weight"
               for ours, hf in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))}
 
@@ -114,7 +128,7 @@ def dense_layer(cfg: ModelConfig, name: str) -> bool:
 def name_map(fmt: str, cfg: ModelConfig) -> dict[str, str]:
     """Our parameter names (templates) -> the format's tensor names, for this config's family and knobs. Made once
     per config (loading asks it for every tensor of every expert); callers read it, never change it."""
-    names = dict(NAME_MAPS[(HF if fmt == HF_FUSED else fmt, cfg.is_moe)])
+    names = dict(NAME_MAPS[(HF if fmt in (HF_FUSED, HF_MXFP4) else fmt, cfg.is_moe)])
     if fmt == MISTRAL:
         return names
     if cfg.family in ("qwen3_moe", "olmoe", "qwen2_moe"):
@@ -126,8 +140,10 @@ def name_map(fmt: str, cfg: ModelConfig) -> dict[str, str]:
             names["layers.{i}.feed_forward.shared_gate.weight"] = "model.layers.{i}.mlp.shared_expert_gate.weight"
     if cfg.family == "granitemoe" and cfg.is_moe:
         names |= _GRANITE_FFN
-    if fmt == HF_FUSED and cfg.is_moe:
+    if fmt == HF_FUSED and cfg.is_moe and cfg.family != "gpt_oss":
         names |= _fused_ffn(cfg.family)
+    if cfg.family == "gpt_oss":
+        names |= _gpt_oss(fmt)
     if cfg.qk_norm:
         names |= _QK_NORMS
     if cfg.qkv_bias:
@@ -141,7 +157,7 @@ def name_map(fmt: str, cfg: ModelConfig) -> dict[str, str]:
     return names
 
 
-EXPERT_PARAMS = ("w1", "w2", "w3")
+EXPERT_PARAMS = ("w1", "w2", "w3", "b1", "b2", "b3")
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
@@ -208,6 +224,10 @@ def detect(directory: str | Path) -> CheckpointFormat:
         files = sorted(p.name for p in d.glob("*.safetensors"))
         fmt, cfg = _hf_layout(d, files), _config(ModelConfig.from_hf, raw, d / "config.json")
         dtype = raw.get("dtype") or raw.get("torch_dtype")
+        method = (raw.get("quantization_config") or {}).get("quant_method")
+        if method not in (None, "mxfp4"):
+            raise CheckpointError(f"{d / 'config.json'}: quantization_config's quant_method {method!r} is not "
+                                  "supported; supported: mxfp4 (gpt-oss's experts as shipped)")
     elif (d / "params.json").exists():
         raw = _read_json(d / "params.json")
         files = sorted(p.name for p in d.glob("consolidated*.safetensors"))
@@ -216,7 +236,7 @@ def detect(directory: str | Path) -> CheckpointFormat:
         if any(p.suffix in (".bin", ".pt", ".pth") for p in d.iterdir()):
             refuse_pickles(d)
         raise CheckpointError(f"{d}: neither config.json (Hugging Face) nor params.json (Mistral) found")
-    check_size(d, cfg, "config.json" if fmt == HF else "params.json")
+    check_size(d, cfg, "params.json" if fmt == MISTRAL else "config.json", 17 / 32 if fmt == HF_MXFP4 else 1)
     return CheckpointFormat(fmt, cfg, files, dtype)
 
 
@@ -229,24 +249,28 @@ def _hf_layout(d: Path, files: list[str]) -> str:
             list(read_header(d / files[0])) if files else []
     except (OSError, json.JSONDecodeError, AttributeError, CheckpointError):
         return HF  # the loader names what is wrong with the files
+    if any(n.endswith("_blocks") and ".experts." in n for n in names):
+        return HF_MXFP4
     return HF_FUSED if any(".experts.gate_up_proj" in n for n in names) else HF
 
 
-def parameter_count(cfg: ModelConfig) -> int:
-    """Weights the config implies (embedding, head unless tied, every block's attention, norms, router, experts)."""
+def parameter_count(cfg: ModelConfig, expert_bytes: float = 1.0) -> int:
+    """Weights the config implies (embedding, head unless tied, every block's attention, norms, router, experts),
+    the experts' counted at `expert_bytes` each (an MXFP4 weight takes 17/32 of a byte)."""
     attention = cfg.dim * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
-    experts = cfg.n_experts * 3 * cfg.dim * cfg.hidden_dim + (cfg.n_experts * cfg.dim if cfg.n_experts > 1 else 0)
+    experts = int(cfg.n_experts * 3 * cfg.dim * cfg.hidden_dim * expert_bytes)
+    router = cfg.n_experts * cfg.dim if cfg.n_experts > 1 else 0
     embeddings = cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
-    return embeddings + cfg.n_layers * (attention + experts + 2 * cfg.dim) + cfg.dim
+    return embeddings + cfg.n_layers * (attention + experts + router + 2 * cfg.dim) + cfg.dim
 
 
-def check_size(directory: Path, cfg: ModelConfig, config_name: str) -> None:
+def check_size(directory: Path, cfg: ModelConfig, config_name: str, expert_bytes: float = 1.0) -> None:
     """Before any model is built or memory taken: the config must describe weights that fit in the files
-    (at one byte per weight at least), so a wrong `num_hidden_layers` or `vocab_size` is one line, not a
-    machine that runs out of memory."""
+    (at one byte per weight at least, `expert_bytes` per expert weight), so a wrong `num_hidden_layers` or
+    `vocab_size` is one line, not a machine that runs out of memory."""
     weights = [p for p in directory.glob("*.safetensors")]
     on_disk = sum(p.stat().st_size for p in weights if p.exists())
-    implied = parameter_count(cfg)
+    implied = parameter_count(cfg, expert_bytes)
     if weights and implied > on_disk:
         raise CheckpointError(f"{directory / config_name}: describes {implied:,} weights (num_hidden_layers="
                               f"{cfg.n_layers}, vocab_size={cfg.vocab_size}, hidden_size={cfg.dim}), more than the "
@@ -265,49 +289,3 @@ def _config(parse, raw: dict, path: Path) -> ModelConfig:
         return parse(raw)
     except (ConfigError, TypeError) as e:
         raise CheckpointError(f"{path}: {e}") from None
-
-
-def expand_stacked(tensors: dict[str, TensorInfo], fmt: str, cfg: ModelConfig) -> dict[str, TensorInfo]:
-    """The catalog of a checkpoint with each 3-D expert tensor the name map reads by rows (`name#e`, `name#e:k/n`)
-    replaced by one entry per expert (and part): each a contiguous run of the file, read like a per-expert tensor,
-    a slice of it too (tensor parallelism)."""
-    parts: dict[str, int] = {}
-    for template in name_map(fmt, cfg).values():
-        if "#" in template:
-            base, _, selector = template.partition("#")
-            parts[base] = int(selector.split("/")[1]) if "/" in selector else 1
-    if not parts:
-        return tensors
-    out = dict(tensors)
-    for template, n in parts.items():
-        for i in range(cfg.n_layers):
-            base = template.format(i=i)
-            info = out.pop(base, None)
-            if info is None:
-                continue  # reported as missing, by its experts' names
-            experts, rows, rest = info.shape[0], info.shape[1] // n, math.prod(info.shape[2:])
-            item = info.nbytes // max(1, math.prod(info.shape))
-            for e in range(experts):
-                for k in range(n):
-                    name = f"{base}#{e}" if n == 1 else f"{base}#{e}:{k}/{n}"
-                    offset = info.offset + (e * info.shape[1] + k * rows) * rest * item
-                    out[name] = dataclasses.replace(info, shape=(rows, *info.shape[2:]), offset=offset,
-                                                    nbytes=rows * rest * item)
-    return out
-
-
-def restack(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`expand_stacked` undone for a save: the rows and parts of each 3-D expert tensor stacked back into it."""
-    out: dict[str, torch.Tensor] = {}
-    grouped: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
-    for name, t in tensors.items():
-        if "#" not in name:
-            out[name] = t
-            continue
-        base, _, selector = name.partition("#")
-        e, _, part = selector.partition(":")
-        grouped.setdefault(base, {})[(int(e), int(part.split("/")[0]) if part else 0)] = t
-    for base, pieces in grouped.items():  # experts in order, each expert's parts in order
-        rows = itertools.groupby(sorted(pieces), key=lambda key: key[0])
-        out[base] = torch.stack([torch.cat([pieces[key] for key in keys]) for _, keys in rows])
-    return out

@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from models.weights import INT8
+from moe.checkpoint.encodings import SAFETENSORS_DTYPES, Derived, catalog
 from moe.checkpoint.files import CheckpointError, TensorInfo, index_tensors
 from moe.checkpoint.formats import (
     CheckpointFormat,
     all_external_names,
     dense_layer,
-    expand_stacked,
     external_name,
     is_stacked_expert,
     needs_rope_permute,
@@ -83,10 +83,6 @@ def check_names_and_shapes(ckpt: CheckpointFormat, full_shapes: dict[str, torch.
                                       f"the config implies {list(want)}")
 
 
-SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                      "U8": torch.uint8, "BOOL": torch.bool}
-
 
 def writable_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor as a writable buffer, for `readinto` (no numpy needed)."""
@@ -113,6 +109,7 @@ class TensorReader:
         self.on_read = on_read  # bytes of each tensor read
         self.pinned: torch.Tensor | None = None  # staging buffer for reads that go to a GPU
         self.remaining: dict[Path, int] = {}
+        self.boxes: dict = {}  # decoded pieces of stored tensors that several of ours come from (`encodings.Derived`)
         self.shapes_read: dict[str, list[list[int]]] = {}  # what was read of each tensor: its shape, or its slices'
         # (a tensor read twice: a tied embedding for the head and a slice of it for the embedding)
 
@@ -148,14 +145,33 @@ class TensorReader:
 
     def read_into(self, name: str, out: torch.Tensor, part: tuple[int, int, int] | None = None) -> torch.Tensor:
         """The tensor `name`, or with `part` = (dim, start, stop) only that slice of it (rows of any tensor, or
-        columns of a matrix: one read per row), into `out`."""
+        columns of a matrix: one read per row), into `out`. A tensor stored otherwise (`encodings.Derived`) is
+        decoded from what it is stored as."""
         if out.device.type != "cpu":
             host = self._staging(out)
             self.read_into(name, host, part)
             return out.copy_(host)  # from pinned memory; returns once copied, so the buffer is free again
         info = self.tensors[name]
+        before = self.bytes_read
+        if isinstance(info, Derived):
+            info.fill(lambda stored, ranges, into: self.read_ranges(name, stored, ranges, into), self.boxes, out, part)
+        else:
+            self.read_ranges(name, info, byte_ranges(info, part), out, part)
+        got = self.bytes_read - before
+        self.shapes_read.setdefault(name, []).append(list(out.shape))
+        if self.on_read is not None:
+            self.on_read(got)
+        if info.file in self.remaining:
+            self.remaining[info.file] -= 1
+            if self.remaining[info.file] == 0 and self.on_file_done is not None:
+                done = sum(1 for v in self.remaining.values() if v == 0)
+                self.on_file_done(info.file, done, self.n_files)
+        return out
+
+    def read_ranges(self, name: str, info: TensorInfo, ranges: list[tuple[int, int]], out: torch.Tensor,
+                    part: tuple[int, int, int] | None = None) -> None:
+        """The bytes `ranges` of `info`'s file, in order, into `out` (the tensor `name` or a piece of it)."""
         buf = writable_bytes(out)
-        ranges = byte_ranges(info, part)
         want = sum(n for _, n in ranges)
         if buf.nbytes != want:
             raise CheckpointError(f"{info.file.name}: tensor {name} holds {want} bytes"
@@ -173,22 +189,16 @@ class TensorReader:
         if got != want:
             raise CheckpointError(f"{info.file.name}: file is truncated inside tensor {name}")
         self.bytes_read += got
-        self.shapes_read.setdefault(name, []).append(list(out.shape))
-        if self.on_read is not None:
-            self.on_read(got)
-        if info.file in self.remaining:
-            self.remaining[info.file] -= 1
-            if self.remaining[info.file] == 0 and self.on_file_done is not None:
-                done = sum(1 for v in self.remaining.values() if v == 0)
-                self.on_file_done(info.file, done, self.n_files)
-        return out
 
     def read(self, name: str, device: torch.device | str = "cpu", part: tuple[int, int, int] | None = None):
         return self.read_into(name, self.empty(name, device=device, part=part), part)
 
 
 def byte_ranges(info: TensorInfo, part: tuple[int, int, int] | None) -> list[tuple[int, int]]:
-    """(file offset, bytes) of each contiguous run of the tensor, or of its slice `part` = (dim, start, stop)."""
+    """(file offset, bytes) of each contiguous run of the tensor, or of its slice `part` = (dim, start, stop). Of a
+    tensor stored otherwise (`encodings.Derived`), only how many bytes it takes, for progress."""
+    if isinstance(info, Derived):
+        return [(0, info.nbytes if part is None else info.nbytes * (part[2] - part[1]) // info.shape[part[0]])]
     if part is None:
         return [(info.offset, info.nbytes)]
     dim, start, stop = part
@@ -218,13 +228,8 @@ def read_parameter(reader: TensorReader, ckpt: CheckpointFormat, name: str, shap
                    part: tuple[int, int, int] | None = None) -> torch.Tensor:
     """One parameter from its checkpoint tensors `names` (a stacked expert parameter: one per held expert), or
     only the slice `part` of each (tensor parallelism, `moe.parallel.tensor`)."""
-    if is_stacked_expert(name):
-        if not names:
-            return torch.empty(shape, dtype=dtype, device=device)
-        t = reader.empty(names[0], (len(names),), device, part)  # one buffer, each expert read into its row
-        for row, source in enumerate(names):
-            reader.read_into(source, t[row], part)
-        return t.to(device=device, dtype=dtype)  # no copy when already there
+    if is_stacked_expert(name):  # with held experts: `read_experts`
+        return torch.empty(shape, dtype=dtype, device=device)
     source = names[0]
     if source in by_source and part is None:  # tied embeddings: one tensor, two parameters
         return by_source[source]
@@ -236,6 +241,20 @@ def read_parameter(reader: TensorReader, ckpt: CheckpointFormat, name: str, shap
     if part is None:
         by_source[source] = t
     return t
+
+
+def read_experts(reader: TensorReader, stacked: dict[str, tuple[list[str], tuple[int, int, int] | None]],
+                 dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """A block's stacked expert parameters (name -> their sources, one per held expert, and slice), one buffer each,
+    read expert by expert: the tensors of one expert that come from one stored tensor (gpt-oss's interleaved gate
+    and up, MXFP4 blocks) are decoded once."""
+    buffers = {name: reader.empty(names[0], (len(names),), device, part) for name, (names, part) in stacked.items()}
+    for row in range(max(len(names) for names, _ in stacked.values())):
+        for name, (names, part) in stacked.items():
+            if row < len(names):
+                reader.read_into(names[row], buffers[name][row], part)
+    reader.boxes.clear()
+    return {name: t.to(device=device, dtype=dtype) for name, t in buffers.items()}  # no copy when already there
 
 
 def load_into(model: nn.Module, ckpt: CheckpointFormat, directory: str | Path, full_shapes: dict[str, torch.Size],
@@ -250,12 +269,12 @@ def load_into(model: nn.Module, ckpt: CheckpointFormat, directory: str | Path, f
     """
     progress = progress or silent()
     t0 = time.perf_counter()
-    tensors = expand_stacked(index_tensors(Path(directory), ckpt.weight_files), ckpt.fmt, ckpt.config)
+    tensors = catalog(index_tensors(Path(directory), ckpt.weight_files), ckpt.fmt, ckpt.config, dtype)
     check_names_and_shapes(ckpt, full_shapes, tensors)
     cfg = ckpt.config
     sources = needed_sources(model, ckpt.fmt, cfg)
     slices = getattr(model, "slices", {})  # tensor parallelism: the slice of each split parameter (moe.parallel.tensor)
-    state, by_source = {}, {}
+    state, by_source, stacked = {}, {}, {}
 
     def file_done(path: Path, done: int, total: int) -> None:
         progress.note(f"loaded {path.name} ({done}/{total} files, {reader.bytes_read / 2**20:.1f} MiB, "
@@ -271,6 +290,9 @@ def load_into(model: nn.Module, ckpt: CheckpointFormat, directory: str | Path, f
         unit = None
 
         def assign() -> None:  # the finished unit's tensors into the model (every name of the unit is in `state`)
+            if stacked:
+                state.update(read_experts(reader, stacked, dtype, device))
+                stacked.clear()
             unexpected = model.load_state_dict(state, strict=False, assign=True).unexpected_keys
             assert not unexpected, unexpected
             state.clear()
@@ -283,6 +305,9 @@ def load_into(model: nn.Module, ckpt: CheckpointFormat, directory: str | Path, f
                 if unit is not None:
                     assign()
                 unit = this
+            if is_stacked_expert(name) and sources[name]:
+                stacked[name] = (sources[name], slices.get(name))
+                continue
             state[name] = read_parameter(reader, ckpt, name, param.shape, sources[name], by_source, dtype, device,
                                          slices.get(name))
         if unit is not None:

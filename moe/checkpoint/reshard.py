@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 
 from models.transformer import Transformer
+from moe.checkpoint.encodings import catalog
 from moe.checkpoint.files import index_tensors
 from moe.checkpoint.formats import (
     HF,
     detect,
-    expand_stacked,
     external_name,
     is_stacked_expert,
     needs_rope_permute,
@@ -92,7 +92,7 @@ def reshard(src: str | Path, out: str | Path, max_shard_bytes: int | None,
     src, out = Path(src), Path(out)
     ckpt = detect(src)
     cfg = ckpt.config
-    tensors = expand_stacked(index_tensors(src, ckpt.weight_files), ckpt.fmt, cfg)
+    tensors = catalog(index_tensors(src, ckpt.weight_files), ckpt.fmt, cfg)
     moves = plan_moves(ckpt.fmt, cfg)
     if any("#" in m.dst for m in moves):
         raise ValueError(f"{src}: {cfg.family} keeps each block's experts in one tensor; re-sharding it by expert is "

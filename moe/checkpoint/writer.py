@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from models.config import ModelConfig
+from moe.checkpoint.encodings import restack
 from moe.checkpoint.files import HF_INDEX, CheckpointError
 from moe.checkpoint.formats import (
     HF,
@@ -24,7 +25,6 @@ from moe.checkpoint.formats import (
     external_name,
     is_stacked_expert,
     needs_rope_permute,
-    restack,
     to_interleaved,
 )
 from moe.host import process_alive

@@ -12,7 +12,6 @@ torchrun process serve the same results.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections.abc import Callable
 
@@ -199,9 +198,7 @@ class ShardedEngine:
             return None, None
         a, b = self._bounds(batch)[self.rank]
         pad = Padding.of(padding.host_B[a:b], self.dist.device) if padding is not None else None
-        mask = ctx.mask[a:b] if ctx.mask is not None and ctx.mask.shape[0] > 1 else ctx.mask
-        local = dataclasses.replace(ctx, cos=ctx.cos[a:b], sin=ctx.sin[a:b], mask=mask)
-        return local, real_token_rows(pad, seq, start, self.dist.device)
+        return ctx.rows(a, b), real_token_rows(pad, seq, start, self.dist.device)
 
     def routes_alike(self, batch: int) -> dict[int, tuple[int, ...]]:
         """Per block, the ranks that route the same tokens of a batch of `batch` sequences, where several do: the

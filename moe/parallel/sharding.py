@@ -65,7 +65,7 @@ def apply_expert_placement(model: Transformer, placement: Placement, rank: int,
             split_experts(model, name, group, rank, held, device)
         else:
             with torch.device(device):
-                block.feed_forward.experts = GroupedExperts(cfg.dim, cfg.hidden_dim, held)
+                block.feed_forward.experts = GroupedExperts.of(cfg, held)
 
 
 def connect_ranks(model: Transformer, placement: Placement, dist: DistContext, step: StepRows | None = None) -> None:

@@ -38,25 +38,31 @@ def split_attention(model: Transformer, block: str, ranks: tuple[int, ...], rank
         attention.wq = Linear(cfg.dim, len(q) * Dh, bias)
         attention.wo = Linear(len(q) * Dh, cfg.dim, cfg.o_bias and rank == ranks[0])
         attention.wk, attention.wv = Linear(cfg.dim, len(kv) * Dh, bias), Linear(cfg.dim, len(kv) * Dh, bias)
-    attention.n_heads, attention.n_kv_heads = len(q), len(kv)
+        if cfg.sinks:
+            attention.sinks = nn.Parameter(torch.empty(len(q)))
     prefix = f"layers.{block}.attention."
     rows = {"wq": (0, q.start * Dh, q.stop * Dh), "wk": (0, kv.start * Dh, kv.stop * Dh),
             "wv": (0, kv.start * Dh, kv.stop * Dh)}
+    attention.n_heads, attention.n_kv_heads = len(q), len(kv)
     model.slices = slices_of(model) | {prefix + f"{w}.weight": s for w, s in rows.items()} | {
         prefix + "wo.weight": (1, q.start * Dh, q.stop * Dh)} | (
-        {prefix + f"{w}.bias": s for w, s in rows.items()} if bias else {})
+        {prefix + f"{w}.bias": s for w, s in rows.items()} if bias else {}) | (
+        {prefix + "sinks": (0, q.start, q.stop)} if cfg.sinks else {})
 
 
 def split_experts(model: Transformer, block: str, group: tuple[int, ...], rank: int, held: list[int],
                   device: torch.device | str = "meta") -> None:
-    """Keep this rank's slice of the hidden dimension of each expert it holds: w1/w3 rows, w2 columns."""
+    """Keep this rank's slice of the hidden dimension of each expert it holds: w1/w3 rows (and their biases), w2
+    columns; w2's bias, added once before the group's sum, only on the group's first rank."""
     cfg = model.cfg
     f = balanced_slice(cfg.hidden_dim, len(group), group.index(rank))  # even: the plan checked it divides
     with torch.device(device):
-        model.layers[block].feed_forward.experts = GroupedExperts(cfg.dim, len(f), held)
+        model.layers[block].feed_forward.experts = GroupedExperts.of(cfg, held, len(f), rank == group[0])
     prefix = f"layers.{block}.feed_forward.experts."
-    model.slices = slices_of(model) | {prefix + "w1": (0, f.start, f.stop), prefix + "w3": (0, f.start, f.stop),
-                                       prefix + "w2": (1, f.start, f.stop)}
+    rows = (0, f.start, f.stop)
+    model.slices = slices_of(model) | {prefix + "w1": rows, prefix + "w3": rows, prefix + "w2": (1, f.start, f.stop)}
+    if cfg.expert_bias:
+        model.slices |= {prefix + "b1": rows, prefix + "b3": rows}
 
 
 class VocabSlice(nn.Module):
