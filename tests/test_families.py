@@ -43,11 +43,11 @@ FAMILIES = {
 }
 
 
-def hf_family(name: str, seed: int = 0):
+def hf_family(name: str, seed: int = 0, **overrides):
     transformers = pytest.importorskip("transformers")
     config_class, model_class, knobs = FAMILIES[name]
     torch.manual_seed(seed)
-    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**(COMMON | knobs)))
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**(COMMON | knobs | overrides)))
     with torch.no_grad():  # norms and biases away from their initial ones and zeros, so that a wrong one shows
         for n, p in model.named_parameters():
             if "norm" in n or n.endswith(("bias", "sinks")):
@@ -149,6 +149,8 @@ def test_families_and_fields_not_run_are_refused_in_one_line(tmp_path):
                                          "version does not run"),
         (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
         (dict(model_type="llama", mlp_bias=True), "mlp_bias is not supported"),
+        (dict(model_type="gpt_oss", layer_types=["sliding_attention", "chunked_attention"]),
+         "layer_types must list 2 of sliding_attention, full_attention"),
     ]
     for fields, message in cases:
         with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from models.config import ModelConfig
 from models.transformer import Transformer
+from moe.checkpoint.encodings import encode_mxfp4
+from moe.checkpoint.files import HF_INDEX
 from moe.checkpoint.writer import save_checkpoint
 
 SIZES = {
@@ -21,7 +25,42 @@ SIZES = {
     "qwen3-moe": ModelConfig(dim=512, n_layers=8, n_heads=16, n_kv_heads=2, head_dim=64, hidden_dim=192,
                              vocab_size=8000, n_experts=64, top_k=8, max_seq_len=4096, rope_theta=1e6,
                              family="qwen3_moe", router="softmax", norm_topk_prob=True, qk_norm="head"),
+    # gpt-oss-20b's shape scaled down: 32 experts of width dim, top-4, 64-wide heads, windows of 128 on every other
+    # block, sinks, biases, the clamped gated unit (the real model: dim 2880, 24 blocks, 64 heads, vocab 201k)
+    "gpt-oss": ModelConfig(dim=768, n_layers=8, n_heads=12, n_kv_heads=2, head_dim=64, hidden_dim=768,
+                           vocab_size=8000, n_experts=32, top_k=4, max_seq_len=4096, rope_theta=150000.0,
+                           sliding_window=128, full_layers=(1, 3, 5, 7), family="gpt_oss", sinks=True,
+                           router_bias=True, expert_bias=True, glu="clamped", qkv_bias=True, o_bias=True),
 }
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                    "model.layers.*.mlp.router",
+                                                                    "model.embed_tokens", "lm_head"]}
+
+
+def pack_experts_mxfp4(directory: Path) -> Path:
+    """Rewrite a gpt-oss checkpoint's experts (transformers' [E, in, out] `gate_up_proj` and `down_proj`) as gpt-oss
+    ships them: `*_blocks` [E, out, in/32, 16] and `*_scales` [E, out, in/32], with config.json's
+    quantization_config saying so."""
+    renamed = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        tensors = load_file(path)
+        for name in [n for n in tensors if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
+            w = tensors.pop(name).transpose(1, 2)  # [E, out, in]
+            blocks, scales = encode_mxfp4(w.reshape(-1, w.shape[2]))
+            tensors[name + "_blocks"] = blocks.view(*w.shape[:2], -1, 16)
+            tensors[name + "_scales"] = scales.view(*w.shape[:2], -1)
+            renamed[name] = path.name
+        save_file(tensors, path, metadata={"format": "pt"})
+    index = directory / HF_INDEX
+    if index.exists():
+        data = json.loads(index.read_text())
+        for name, file in renamed.items():
+            del data["weight_map"][name]
+            data["weight_map"] |= {name + "_blocks": file, name + "_scales": file}
+        index.write_text(json.dumps(data, indent=2))
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"quantization_config": MXFP4_CONFIG}, indent=2))
+    return directory
 
 
 def write_sized_checkpoint(path: Path, size: str, seed: int = 0, max_shard_bytes: int | None = None,

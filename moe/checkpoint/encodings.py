@@ -106,6 +106,19 @@ def decode_mxfp4(packed: torch.Tensor, exps: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(values, exps.to(torch.int32)[..., None] - 127).view(packed.shape[0], -1)
 
 
+def encode_mxfp4(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, 32G] -> (blocks [rows, G, 16] uint8, scales [rows, G] uint8), each group of 32 scaled by the power of
+    two that brings its largest magnitude to at most 6 and rounded to the nearest FP4 value (`decode_mxfp4`'s
+    inverse on values it gives). For checkpoints built the way gpt-oss ships its experts."""
+    groups = values.float().reshape(values.shape[0], -1, MXFP4_BLOCK)
+    amax = groups.abs().amax(-1).clamp(min=2.0 ** -126)
+    exps = torch.ceil(torch.log2(amax / 6)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exps)[..., None]
+    table = torch.tensor(FP4_VALUES)
+    codes = (scaled[..., None] - table).abs().argmin(-1).to(torch.uint8)  # the nearest value (+0 before -0)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)), (exps + 127).to(torch.uint8)
+
+
 @dataclass(frozen=True)
 class Derived(TensorInfo):
     """Expert `expert`'s tensor of a stacked `source`, computed at read time: rows k, k+n, ... of its row (after a
