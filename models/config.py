@@ -49,7 +49,7 @@ class ModelConfig:
     o_bias: bool = False
     head_bias: bool = False
     clip_qkv: float | None = None  # q, k and v clamped to +-clip_qkv after their projection (and norm)
-    norm: str = "rms"  # "rms" or "layer" (LayerNorm with a bias)
+    norm: str = "rms"  # "rms"; "rms_fp32", the weight applied before the cast back (gpt-oss); "layer" (with a bias)
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0  # each branch's output, before it is added to the residual stream
     attention_scale: float | None = None  # the softmax's scale (None: 1/sqrt(head_dim))

@@ -91,7 +91,7 @@ def _gpt_oss(cfg: dict[str, Any]) -> dict[str, Any]:
     types = cfg.get("layer_types") or [LAYER_TYPES[i % 2] for i in range(n)]  # transformers' default
     if len(types) != n or any(t not in LAYER_TYPES for t in types):
         raise FamilyError(f"config.json's layer_types must list {n} of {', '.join(LAYER_TYPES)}, got {types!r}")
-    return {"router_bias": True, "expert_bias": True, "sinks": True, "glu": "clamped",
+    return {"router_bias": True, "expert_bias": True, "sinks": True, "glu": "clamped", "norm": "rms_fp32",
             "glu_alpha": float(cfg.get("swiglu_alpha", 1.702)), "glu_limit": float(cfg.get("swiglu_limit", 7.0)),
             "qkv_bias": bool(cfg.get("attention_bias", True)), "o_bias": bool(cfg.get("attention_bias", True)),
             "full_layers": tuple(i for i, t in enumerate(types) if t == "full_attention")}

@@ -30,7 +30,8 @@ SIZES = {
     "gpt-oss": ModelConfig(dim=768, n_layers=8, n_heads=12, n_kv_heads=2, head_dim=64, hidden_dim=768,
                            vocab_size=8000, n_experts=32, top_k=4, max_seq_len=4096, rope_theta=150000.0,
                            sliding_window=128, full_layers=(1, 3, 5, 7), family="gpt_oss", sinks=True,
-                           router_bias=True, expert_bias=True, glu="clamped", qkv_bias=True, o_bias=True),
+                           router_bias=True, expert_bias=True, glu="clamped", qkv_bias=True, o_bias=True,
+                           norm="rms_fp32"),
 }
 MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
                                                                     "model.layers.*.mlp.router",

@@ -15,6 +15,7 @@ columns, or MXFP4 blocks, that hold its columns), decoded one expert at a time i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -99,11 +100,17 @@ class Mxfp4:
 
 def decode_mxfp4(packed: torch.Tensor, exps: torch.Tensor) -> torch.Tensor:
     """[rows, G*16] uint8 blocks and [rows, G] uint8 scales -> [rows, 32G] fp32 values (exactly: an FP4 value times
-    a power of two, so casting to bf16 gives transformers' bf16 decode bit for bit)."""
+    a power of two, so casting to bf16 gives transformers' bf16 decode bit for bit). One lookup per byte gives both
+    of its values (low nibble first)."""
+    values = _byte_values()[packed.int()].view(packed.shape[0], exps.shape[1], MXFP4_BLOCK)
+    return (values * torch.exp2(exps.float() - 127)[..., None]).view(packed.shape[0], -1)
+
+
+@functools.cache
+def _byte_values() -> torch.Tensor:
+    """[256, 2]: the two FP4 values of each byte, low nibble first."""
     table = torch.tensor(FP4_VALUES)
-    values = torch.stack([table[(packed & 0x0F).long()], table[(packed >> 4).long()]], dim=-1)  # low nibble first
-    values = values.view(packed.shape[0], exps.shape[1], MXFP4_BLOCK)
-    return torch.ldexp(values, exps.to(torch.int32)[..., None] - 127).view(packed.shape[0], -1)
+    return torch.stack([table.repeat(16), table.repeat_interleave(16)], dim=1)
 
 
 def encode_mxfp4(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,6 +6,12 @@ Layouts: one monolithic safetensors file; files of at most --max-shard-size; ran
 --max-shard-size (scripts/shard.py --gpus N). Every load runs in fresh processes, so each peak RSS (VmHWM) is
 that rank's own; "above base" subtracts the process's RSS before it read any weight. Prints the median load
 time over --repeats runs, and the target the sharding issue sets: weights/N + 15%.
+
+    python scripts/bench_load.py --size gpt-oss --mxfp4
+
+`--mxfp4`: the size's checkpoint with its experts as gpt-oss ships them (MXFP4 blocks and scales), loaded at bf16
+and int8 on 1 rank: peak memory above base against the size of the loaded weights (decoding one expert at a time
+should keep them close).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import time
 from pathlib import Path
 
 from moe.api import MoEModel
-from moe.bench.sizes import SIZES, write_sized_checkpoint
+from moe.bench.sizes import SIZES, pack_experts_mxfp4, write_sized_checkpoint
 from moe.checkpoint.convert import parse_size
 from moe.checkpoint.reshard import reshard
 from moe.parallel.placement import Placement
@@ -41,14 +47,40 @@ def load_once(path: Path, gpus: int) -> list[dict]:
                  "wall_seconds": wall} for r in range(i.ranks)]
 
 
+def load_shipped(size: str, repeats: int) -> dict:
+    """`--mxfp4`: load the size's checkpoint with MXFP4 experts at bf16 and int8, each in a fresh process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pack_experts_mxfp4(write_sized_checkpoint(Path(tmp) / "mxfp4", size))
+        file_mib = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**20
+        print(f"checkpoint {size} with MXFP4 experts: {file_mib:.0f} MiB on disk; median of {repeats} loads")
+        print(f"{'dtype':>9} {'load s':>6} {'base MiB':>8} {'peak MiB':>8} {'above':>6} {'bf16 weights MiB':>16}")
+        result = {"file_mib": file_mib, "cases": {}}
+        for dtype in ("bfloat16", "int8"):
+            runs = [json.loads(subprocess.run([sys.executable, "-m", "moe.cli.bench_load", "--single", str(path),
+                                               dtype], capture_output=True, text=True, check=True).stdout)
+                    for _ in range(repeats)]
+            med = {k: statistics.median(r[k] for r in runs)
+                   for k in ("load_seconds", "baseline_mib", "loaded_peak_mib", "bf16_weights_mib")}
+            print(f"{dtype:>9} {med['load_seconds']:>6.2f} {med['baseline_mib']:>8.0f} {med['loaded_peak_mib']:>8.0f} "
+                  f"{med['loaded_peak_mib'] - med['baseline_mib']:>6.0f} {med['bf16_weights_mib']:>16.0f}")
+            result["cases"][dtype] = runs
+        return result
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
+    ap.add_argument("--mxfp4", action="store_true", help="the size's experts as MXFP4 blocks, loaded at bf16 and int8")
     ap.add_argument("--gpus", type=int, default=4)
     ap.add_argument("--max-shard-size", default="200MB")
     ap.add_argument("--repeats", type=int, default=3, help="loads per case; the median is shown")
     ap.add_argument("--json", type=Path, default=None, help="also write every figure here")
     args = ap.parse_args(argv)
+    if args.mxfp4:
+        result = load_shipped(args.size, args.repeats)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
+        return
     shard_bytes = parse_size(args.max_shard_size)
     with tempfile.TemporaryDirectory() as tmp:
         mono = write_sized_checkpoint(Path(tmp) / "monolithic", args.size)
@@ -81,23 +113,26 @@ def main(argv: list[str] | None = None) -> None:
             args.json.write_text(json.dumps(result, indent=1))
 
 
-def single(path: str) -> None:
+def single(path: str, dtype: str | None = None) -> None:
     """One rank in a fresh process, so its peak RSS is its own."""
     from moe.memory import peak_memory_mib
 
     baseline = peak_memory_mib()
     t0 = time.perf_counter()
-    model = MoEModel.from_pretrained(path)
+    model = MoEModel.from_pretrained(path, dtype=dtype, compile=False)
     wall = time.perf_counter() - t0
-    print(json.dumps({"rank": 0, "baseline_mib": baseline, "loaded_peak_mib": peak_memory_mib(),
+    peak = peak_memory_mib()
+    params = sum(p.numel() for p in model.engine.model.parameters())  # converted ones keep their shapes (on meta)
+    print(json.dumps({"rank": 0, "baseline_mib": baseline, "loaded_peak_mib": peak,
                       "bytes_read": model.info.bytes_read[0], "files_read": model.info.files_read[0],
-                      "load_seconds": model.info.load_seconds[0], "wall_seconds": wall}))
+                      "load_seconds": model.info.load_seconds[0], "wall_seconds": wall,
+                      "bf16_weights_mib": params * 2 / 2**20}))
 
 
 def run(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 2 and argv[0] == "--single":  # one rank, in a process of its own (started by `load_once`)
-        single(argv[1])
+    if argv and argv[0] == "--single":  # one rank, in a process of its own (started by `load_once`)
+        single(*argv[1:])
     else:
         main(argv)
     return 0
