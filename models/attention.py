@@ -226,14 +226,30 @@ class AttentionContext:
 
 
 class KVCache:
-    """Preallocated keys and values [B, G, L, Dh] of one attention block. Not a module: a compiled step takes
-    them as inputs, never as the model's state (a frozen step would bake a request's cache into its graph)."""
+    """Preallocated keys and values [B, G, L, Dh] of one attention block (latent attention: its latents and rotary
+    keys, `models.latent`, of widths Dh and `v_dim`). Not a module: a compiled step takes them as inputs, never as
+    the model's state (a frozen step would bake a request's cache into its graph)."""
 
     def __init__(self, batch: int, n_kv_heads: int, length: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
-        shape = (batch, n_kv_heads, length, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+                 device: torch.device | str, v_dim: int | None = None) -> None:
+        self.k = torch.zeros((batch, n_kv_heads, length, head_dim), dtype=dtype, device=device)
+        self.v = torch.zeros((batch, n_kv_heads, length, v_dim or head_dim), dtype=dtype, device=device)
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, batch: int, length: int, dtype: torch.dtype, device: torch.device | str,
+           kv_heads: int | None = None) -> KVCache:
+        """A block's cache under this config: `kv_heads` (default all) of keys and values, or, with latent attention,
+        one latent and one rotary key per token whatever the heads."""
+        if cfg.latent:
+            return cls(batch, 1, length, cfg.kv_lora_rank, dtype, device, cfg.head_dim)
+        return cls(batch, kv_heads or cfg.n_kv_heads, length, cfg.head_dim, dtype, device)
+
+    @staticmethod
+    def bytes_per_token(cfg: ModelConfig, element: int, kv_heads: int | None = None) -> int:
+        """What one token adds to one block's cache."""
+        if cfg.latent:
+            return (cfg.kv_lora_rank + cfg.head_dim) * element
+        return 2 * (kv_heads or cfg.n_kv_heads) * cfg.head_dim * element
 
     def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         end = start + k.shape[2]

@@ -41,7 +41,8 @@ class ModelConfig:
     # What a family changes against Mixtral (models.families reads them from its config.json)
     family: str = "mixtral"
     router: str = "mixtral"  # "mixtral": softmax of the top-k logits; "softmax": top-k of every expert's probability
-    # (renormalised if norm_topk_prob); "sparsemixer": PhiMoE's top-2
+    # (renormalised if norm_topk_prob); "sparsemixer": PhiMoE's top-2; "deepseek_v2", "deepseek_v2_grouped",
+    # "deepseek_v3": `models.router`
     norm_topk_prob: bool = True
     router_jitter: float = 0.0  # sparsemixer's threshold
     qk_norm: str = ""  # "head": RMSNorm over each head of q and k; "projection": over the whole q and k projections
@@ -65,6 +66,18 @@ class ModelConfig:
     glu: str = "silu"  # the experts' gated unit: "silu", silu(gate) * up; "clamped", gpt-oss's (`models.mixture.Glu`)
     glu_alpha: float = 1.702  # "clamped": gate * sigmoid(alpha * gate)
     glu_limit: float = 7.0  # "clamped": gate clamped above, up on both sides
+    # Multi-head latent attention (DeepSeek-V2/V3), on where kv_lora_rank is set (`models.latent`): keys and values
+    # from a latent of kv_lora_rank values and one rotary key of head_dim values shared by every head
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None  # q through a bottleneck of this rank (and its norm), else directly
+    qk_nope_dim: int = 0  # each head's key and query dims without rotary, beside head_dim rotary ones
+    v_head_dim: int = 0  # each head's value dims
+    rope_interleave: bool = False  # the checkpoint's rotary pairs are interleaved (made half-split at load)
+    n_group: int = 1  # DeepSeek routers: experts in groups, the best topk_group groups chosen first
+    topk_group: int = 1
+    routed_scaling: float = 1.0  # the routed experts' weights times this
+    score_bias: bool = False  # DeepSeek-V3: a per-expert bias added to the scores to choose, not to weigh
+    mtp_layers: int = 0  # multi-token-prediction blocks the checkpoint holds past the last one (skipped)
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "vocab_size",
@@ -88,6 +101,11 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.n_experts > 1
+
+    @property
+    def latent(self) -> bool:
+        """Multi-head latent attention (DeepSeek): the cache holds a latent and a rotary key per token."""
+        return self.kv_lora_rank is not None
 
     def window_of(self, layer: int) -> int | None:
         """The window block `layer` slides, or None where it attends to every earlier position."""
@@ -118,8 +136,8 @@ class ModelConfig:
             dim=dim,
             n_layers=need("num_hidden_layers"),
             n_heads=n_heads,
-            n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-            head_dim=cfg.get("head_dim") or dim // n_heads,
+            n_kv_heads=family.pop("n_kv_heads", None) or cfg.get("num_key_value_heads") or n_heads,
+            head_dim=family.pop("head_dim", None) or cfg.get("head_dim") or dim // n_heads,
             hidden_dim=family.pop("hidden_dim", None) or need("intermediate_size"),
             vocab_size=need("vocab_size"),
             n_experts=n_experts,

@@ -8,14 +8,16 @@ never ignored. The references are transformers' modeling files of each family (`
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 # model_type -> the architectures names that say it, for configs without a model_type
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
                  "granitemoe": "GraniteMoeForCausalLM", "phimoe": "PhimoeForCausalLM",
-                 "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
-NOT_YET = {"deepseek_v2": "multi-head latent attention", "deepseek_v3": "multi-head latent attention"}
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                 "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+NOT_YET: dict[str, str] = {}
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
@@ -56,6 +58,8 @@ def knobs(cfg: dict[str, Any]) -> dict[str, Any]:
                 "logits_scaling": float(cfg.get("logits_scaling", 1.0))}
     elif family == "gpt_oss":
         out |= _gpt_oss(cfg)
+    elif family in ("deepseek_v2", "deepseek_v3"):
+        out |= _deepseek(cfg, family)
     elif family == "phimoe":
         out |= {"router": "sparsemixer", "router_jitter": float(cfg.get("router_jitter_noise", 0.01)),
                 "norm": "layer", "head_bias": bool(cfg.get("lm_head_bias", False))}
@@ -97,6 +101,41 @@ def _gpt_oss(cfg: dict[str, Any]) -> dict[str, Any]:
             "full_layers": tuple(i for i, t in enumerate(types) if t == "full_attention")}
 
 
+def _deepseek(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    """DeepSeek-V2/V3: multi-head latent attention, grouped routing (V2 softmax, V3 sigmoid with a choosing bias)
+    scaled by routed_scaling_factor, shared experts, dense first blocks, and multi-token-prediction blocks past the
+    last one (skipped)."""
+    if cfg.get("attention_bias"):
+        raise FamilyError("config.json's attention_bias is not supported for multi-head latent attention")
+    nope, rope = cfg.get("qk_nope_head_dim", 128), cfg.get("qk_rope_head_dim", 64)
+    scale = (nope + rope) ** -0.5
+    rope_cfg = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope_cfg.get("rope_type", rope_cfg.get("type", "default")) != "default" and rope_cfg.get("mscale_all_dim"):
+        factor = rope_cfg["factor"]
+        scale *= (0.1 * rope_cfg["mscale_all_dim"] * math.log(factor) + 1.0) ** 2 if factor > 1 else 1.0
+    if family == "deepseek_v3":
+        router = {"router": "deepseek_v3", "score_bias": True, "norm_topk_prob": bool(cfg.get("norm_topk_prob", True))}
+    elif (cfg.get("topk_method") or "greedy") == "greedy":
+        router = {"router": "deepseek_v2"}
+    elif cfg["topk_method"] == "group_limited_greedy":
+        router = {"router": "deepseek_v2_grouped"}
+    else:
+        raise FamilyError(f"config.json's topk_method {cfg['topk_method']!r} is not supported; supported: greedy, "
+                          "group_limited_greedy")
+    first = cfg.get("first_k_dense_replace", 3 if family == "deepseek_v3" else 0) or 0
+    shared = cfg.get("n_shared_experts") or 0
+    moe_width = cfg.get("moe_intermediate_size", 1407)
+    return router | {
+        "kv_lora_rank": cfg.get("kv_lora_rank", 512), "q_lora_rank": cfg.get("q_lora_rank"), "qk_nope_dim": nope,
+        "v_head_dim": cfg.get("v_head_dim", 128), "head_dim": rope, "n_kv_heads": cfg["num_attention_heads"],
+        "rope_interleave": family == "deepseek_v2" or bool(cfg.get("rope_interleave", True)),
+        "attention_scale": scale, "hidden_dim": moe_width, "shared_hidden_dim": moe_width * shared or None,
+        "dense_layers": tuple(range(min(first, cfg.get("num_hidden_layers", 0)))),
+        "dense_hidden_dim": cfg.get("intermediate_size"), "n_group": cfg.get("n_group") or 1,
+        "topk_group": cfg.get("topk_group") or 1, "routed_scaling": float(cfg.get("routed_scaling_factor") or 1.0),
+        "mtp_layers": cfg.get("num_nextn_predict_layers") or 0}
+
+
 def _is_dense(cfg: dict[str, Any], layer: int) -> bool:
     step = cfg.get("decoder_sparse_step", 1) or 1
     return layer in (cfg.get("mlp_only_layers") or []) or (layer + 1) % step != 0
@@ -111,7 +150,7 @@ def sliding_window(cfg: dict[str, Any]) -> int | None:
 
 def experts_of(cfg: dict[str, Any]) -> tuple[int, int]:
     """(experts, experts per token), whatever the family calls them."""
-    n = cfg.get("num_local_experts", cfg.get("num_experts", 1))
+    n = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 1
     return n, cfg.get("num_experts_per_tok", 1)
 
 
@@ -137,6 +176,20 @@ def hf_fields(cfg) -> dict[str, Any]:
     elif family == "gpt_oss":
         out |= {"num_local_experts": cfg.n_experts, "swiglu_alpha": cfg.glu_alpha, "swiglu_limit": cfg.glu_limit,
                 "layer_types": [LAYER_TYPES[i in cfg.full_layers] for i in range(cfg.n_layers)]}
+    elif family in ("deepseek_v2", "deepseek_v3"):
+        out |= _deepseek_fields(cfg)
     elif family == "phimoe":
         out |= {"router_jitter_noise": cfg.router_jitter, "lm_head_bias": cfg.head_bias}
     return out
+
+
+def _deepseek_fields(cfg) -> dict[str, Any]:
+    out = {"n_routed_experts": cfg.n_experts, "kv_lora_rank": cfg.kv_lora_rank, "q_lora_rank": cfg.q_lora_rank,
+           "qk_nope_head_dim": cfg.qk_nope_dim, "qk_rope_head_dim": cfg.head_dim, "v_head_dim": cfg.v_head_dim,
+           "moe_intermediate_size": cfg.hidden_dim, "n_shared_experts": (cfg.shared_hidden_dim or 0) // cfg.hidden_dim,
+           "first_k_dense_replace": len(cfg.dense_layers), "intermediate_size": cfg.dense_hidden_dim or cfg.hidden_dim,
+           "n_group": cfg.n_group, "topk_group": cfg.topk_group, "routed_scaling_factor": cfg.routed_scaling,
+           "norm_topk_prob": cfg.norm_topk_prob, "num_nextn_predict_layers": cfg.mtp_layers, "attention_bias": False}
+    if cfg.family == "deepseek_v2":
+        return out | {"topk_method": "group_limited_greedy" if cfg.router == "deepseek_v2_grouped" else "greedy"}
+    return out | {"rope_interleave": cfg.rope_interleave}

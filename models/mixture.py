@@ -131,7 +131,8 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         self.n_experts, self.dense = cfg.n_experts, dense
         self.gate = None if dense else Router(cfg.dim, cfg.n_experts, cfg.top_k, cfg.router, cfg.norm_topk_prob,
-                                              cfg.router_jitter, cfg.router_bias)
+                                              cfg.router_jitter, cfg.router_bias, (cfg.n_group, cfg.topk_group),
+                                              cfg.routed_scaling, cfg.score_bias)
         ids = [] if dense else expert_ids or list(range(cfg.n_experts))
         self.experts = GroupedExperts.of(cfg, ids)
         self.dispatcher = LocalDispatcher(cfg.n_experts)

@@ -14,13 +14,18 @@ from torch import nn
 class Router(nn.Module):
     """Gate logits -> (weights [T, K] fp32, expert ids [T, K]). Kinds (`ModelConfig.router`): "mixtral", the
     softmax of the top-k logits; "softmax", the top-k of every expert's probability, renormalised only where
-    `renormalise` (Qwen2/3-MoE, OLMoE); "sparsemixer", PhiMoE's top-2 (`sparsemixer`)."""
+    `renormalise` (Qwen2/3-MoE, OLMoE); "sparsemixer", PhiMoE's top-2 (`sparsemixer`); "deepseek_v2",
+    "deepseek_v2_grouped", "deepseek_v3" (`deepseek`), from fp32 logits as DeepSeek's reference computes them."""
 
     def __init__(self, dim: int, n_experts: int, top_k: int, kind: str = "mixtral", renormalise: bool = True,
-                 jitter: float = 0.0, bias: bool = False) -> None:
+                 jitter: float = 0.0, bias: bool = False, groups: tuple[int, int] = (1, 1), scaling: float = 1.0,
+                 score_bias: bool = False) -> None:
         super().__init__()
         self.n_experts, self.top_k = n_experts, top_k
         self.kind, self.renormalise, self.jitter = kind, renormalise, jitter
+        self.groups, self.scaling = groups, scaling  # DeepSeek: (groups, groups chosen), the weights' factor
+        # DeepSeek-V3's e_score_correction_bias: added to the scores to choose experts, never to weigh them
+        self.score_bias = nn.Parameter(torch.empty(n_experts)) if score_bias else None
         # A dense checkpoint (E=1) has no gate: every token goes to expert 0 with weight 1.
         self.weight = nn.Parameter(torch.empty(n_experts, dim)) if n_experts > 1 else None
         self.bias = nn.Parameter(torch.empty(n_experts)) if bias and n_experts > 1 else None  # gpt-oss
@@ -41,7 +46,10 @@ class Router(nn.Module):
             ids_TK = torch.arange(T * self.top_k, device=x_TD.device).view(T, self.top_k) % self.n_experts
             weights_TK = torch.full((T, self.top_k), 1.0 / self.top_k, device=x_TD.device)
             return weights_TK, ids_TK
-        logits_TE = F.linear(x_TD, self.weight, self.bias).float()
+        if self.kind.startswith("deepseek"):
+            logits_TE = F.linear(x_TD.float(), self.weight.float())
+        else:
+            logits_TE = F.linear(x_TD, self.weight, self.bias).float()
         if self.track_entropy and counting:
             with torch.no_grad():
                 logp_TE = torch.log_softmax(logits_TE, dim=-1)
@@ -51,6 +59,9 @@ class Router(nn.Module):
             self.last_logits_TE = logits_TE
         if self.kind == "sparsemixer":
             return sparsemixer(logits_TE, self.jitter)
+        if self.kind.startswith("deepseek"):
+            return deepseek(logits_TE, self.kind, self.top_k, self.groups, self.renormalise, self.scaling,
+                            self.score_bias)
         if self.kind == "softmax":
             top_TK, ids_TK = torch.topk(torch.softmax(logits_TE, dim=-1), self.top_k, dim=-1)
             if self.renormalise:
@@ -72,6 +83,32 @@ def sparsemixer(scores_TE: torch.Tensor, jitter: float) -> tuple[torch.Tensor, t
         ids.append(at)
         masked = masked.scatter(-1, at, float("-inf"))
     return torch.cat(weights, dim=-1), torch.cat(ids, dim=-1)
+
+
+def deepseek(logits_TE: torch.Tensor, kind: str, top_k: int, groups: tuple[int, int], renormalise: bool,
+             scaling: float, score_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routers, as transformers' deepseek_v2/v3 modeling files compute them. V2: softmax scores, the
+    top-k of all ("deepseek_v2") or of the `groups[1]` groups with the best single score ("deepseek_v2_grouped").
+    V3: sigmoid scores; experts chosen by score + `score_bias` within the `groups[1]` groups whose two best biased
+    scores sum highest, weighted by their unbiased scores, renormalised if asked. Both times `scaling`."""
+    n_groups, chosen = groups
+    T, E = logits_TE.shape
+    if kind == "deepseek_v3":
+        scores = logits_TE.sigmoid()
+        choice = scores + score_bias.float()
+        group_scores = choice.view(T, n_groups, E // n_groups).topk(2, dim=-1).values.sum(-1)
+    else:
+        scores = choice = logits_TE.softmax(dim=-1)
+        group_scores = scores.view(T, n_groups, E // n_groups).amax(-1)
+    if kind != "deepseek_v2" and n_groups > 1:
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(chosen, dim=-1).indices, 1).bool()
+        keep = keep[:, :, None].expand(T, n_groups, E // n_groups).reshape(T, E)
+        choice = choice.masked_fill(~keep, float("-inf") if kind == "deepseek_v3" else 0.0)
+    ids_TK = choice.topk(top_k, dim=-1).indices
+    weights_TK = (scores if kind == "deepseek_v3" else choice).gather(1, ids_TK)  # V2: its masked scores, as there
+    if kind == "deepseek_v3" and renormalise:
+        weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights_TK * scaling, ids_TK
 
 
 def routing_checksum(ids_TK: torch.Tensor) -> torch.Tensor:

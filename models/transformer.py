@@ -12,6 +12,7 @@ from torch import nn
 from models.attention import Attention, AttentionContext, KVCache, Padding, RotaryTable, make_norm
 from models.basic import Embedding, Linear
 from models.config import ModelConfig
+from models.latent import LatentAttention
 from models.mixture import MoEFeedForward
 
 
@@ -19,7 +20,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.attention_norm = make_norm(cfg, cfg.dim)
-        self.attention = Attention(cfg, index)
+        self.attention = LatentAttention(cfg, index) if cfg.latent else Attention(cfg, index)
         self.ffn_norm = make_norm(cfg, cfg.dim)
         self.feed_forward = MoEFeedForward(cfg, dense=index in cfg.dense_layers)
         self.residual = cfg.residual_multiplier  # GraniteMoE scales each branch before adding it
@@ -86,8 +87,7 @@ class Transformer(nn.Module):
         """A cache for each held block."""
         held = self.held_blocks
         p = self.layers[held[0]].attention_norm.weight if self.tok_embeddings is None else self.tok_embeddings.weight
-        return {name: KVCache(batch, self.cfg.n_kv_heads, length, self.cfg.head_dim, p.dtype, p.device)
-                for name in held}
+        return {name: KVCache.of(self.cfg, batch, length, p.dtype, p.device) for name in held}
 
     def forward(self, tokens_BS: torch.Tensor, start: int = 0, caches: dict[str, KVCache] | None = None,
                 padding: Padding | None = None, last_only: bool = False) -> torch.Tensor:

@@ -88,9 +88,10 @@ def describe(uses: list[MemoryUse]) -> str:
 
 def check_kv_cache(cfg, info, engine, batch: int, length: int) -> None:
     """Refuse, before any memory is taken, a request whose KV cache cannot fit where it would live."""
+    from models.attention import KVCache
     from moe.checkpoint.loader import activation_dtype
 
-    need = batch * length * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * activation_dtype(info.dtype).itemsize
+    need = batch * length * cfg.n_layers * KVCache.bytes_per_token(cfg, activation_dtype(info.dtype).itemsize)
     device = getattr(engine, "device", torch.device("cpu")) if info.launch == "local" else None
     if device is not None and device.type == "cuda":
         free, where = torch.cuda.mem_get_info(device)[0], str(device)

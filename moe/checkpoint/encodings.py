@@ -156,8 +156,10 @@ class Derived(TensorInfo):
 def catalog(tensors: dict[str, TensorInfo], fmt: str, cfg: ModelConfig,
             dtype: torch.dtype | None = None) -> dict[str, TensorInfo]:
     """The checkpoint's tensors as the name map reads them: MXFP4 pairs as the tensors they stand for (decoded into
-    `dtype`), and each 3-D expert tensor the map reads by rows replaced by one entry per expert (and part)."""
-    tensors, packed = dict(tensors), {}
+    `dtype`), and each 3-D expert tensor the map reads by rows replaced by one entry per expert (and part).
+    Multi-token-prediction blocks past the last one (DeepSeek-V3's `num_nextn_predict_layers`) are left out."""
+    extra = {f"model.layers.{cfg.n_layers + k}." for k in range(cfg.mtp_layers)}
+    tensors, packed = {n: t for n, t in tensors.items() if not n.startswith(tuple(extra))}, {}
     for name in [n for n in tensors if n.endswith("_blocks")]:
         base = name.removesuffix("_blocks")
         if base + "_scales" in tensors:

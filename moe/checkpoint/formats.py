@@ -114,6 +114,13 @@ def _gpt_oss(fmt: str) -> dict[str, str]:
             "layers.{i}.attention.sinks": "model.layers.{i}.self_attn.sinks"}
 
 
+_LATENT = {f"layers.{{i}}.attention.{ours}.weight": f"model.layers.{{i}}.self_attn.{hf}.weight"
+           for ours, hf in (("wq_a", "q_a_proj"), ("q_norm", "q_a_layernorm"), ("wq_b", "q_b_proj"),
+                            ("wkv_a", "kv_a_proj_with_mqa"), ("kv_norm", "kv_a_layernorm"), ("wkv_b", "kv_b_proj"))}
+_DEEPSEEK_FFN = _QWEN_FFN | {
+    "layers.{i}.feed_forward.gate.score_bias": "model.layers.{i}.mlp.gate.e_score_correction_bias"}
+
+
 _DENSE_MLP = {f"layers.{{i}}.feed_forward.shared.{ours}.weight": f"model.layers.{{i}}.mlp.{hf}.weight"
               for ours, hf in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))}
 
@@ -133,8 +140,13 @@ def name_map(fmt: str, cfg: ModelConfig) -> dict[str, str]:
         return names
     if cfg.family in ("qwen3_moe", "olmoe", "qwen2_moe"):
         names |= _QWEN_FFN
+    if cfg.family in ("deepseek_v2", "deepseek_v3"):
+        names |= _DEEPSEEK_FFN
+    if cfg.latent:
+        names |= _LATENT
     if cfg.shared_hidden_dim:
-        names |= {f"layers.{{i}}.feed_forward.shared.{ours}.weight": f"model.layers.{{i}}.mlp.shared_expert.{hf}.weight"
+        shared = "shared_experts" if cfg.family.startswith("deepseek") else "shared_expert"
+        names |= {f"layers.{{i}}.feed_forward.shared.{ours}.weight": f"model.layers.{{i}}.mlp.{shared}.{hf}.weight"
                   for ours, hf in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))}
         if cfg.shared_gate:
             names["layers.{i}.feed_forward.shared_gate.weight"] = "model.layers.{i}.mlp.shared_expert_gate.weight"
@@ -193,6 +205,28 @@ def needs_rope_permute(fmt: str, name: str) -> str | None:
     if fmt == MISTRAL and name.endswith(("attention.wq.weight", "attention.wk.weight")):
         return name.split(".")[-2]
     return None
+
+
+def latent_rope_rows(fmt: str, cfg: ModelConfig, name: str) -> tuple[int, int] | None:
+    """(rows of a head, rotary rows ending each) of a latent-attention weight whose rotary rows the checkpoint keeps
+    in interleaved pairs (DeepSeek): made half-split at load (`rope_rows`), interleaved again at save."""
+    if not (cfg.latent and cfg.rope_interleave) or fmt == MISTRAL:
+        return None
+    if name.endswith(("attention.wq.weight", "attention.wq_b.weight")):
+        return cfg.qk_nope_dim + cfg.head_dim, cfg.head_dim
+    if name.endswith("attention.wkv_a.weight"):
+        return cfg.kv_lora_rank + cfg.head_dim, cfg.head_dim
+    return None
+
+
+def rope_rows(w: torch.Tensor, rows: tuple[int, int], half_split: bool = True) -> torch.Tensor:
+    """The last `rotary` rows of each head of `w` ([heads * width, in]) made half-split (or interleaved again)."""
+    width, rotary = rows
+    heads = w.reshape(w.shape[0] // width, width, -1)
+    tail = heads[:, width - rotary:]
+    convert = to_half_split if half_split else to_interleaved
+    tail = convert(tail.reshape(-1, heads.shape[2]), heads.shape[0]).view_as(tail)
+    return torch.cat([heads[:, :width - rotary], tail], dim=1).view_as(w)
 
 
 def to_half_split(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -26,7 +26,9 @@ from moe.checkpoint.formats import (
     dense_layer,
     external_name,
     is_stacked_expert,
+    latent_rope_rows,
     needs_rope_permute,
+    rope_rows,
     to_half_split,
 )
 from moe.progress import Progress, silent
@@ -237,6 +239,9 @@ def read_parameter(reader: TensorReader, ckpt: CheckpointFormat, name: str, shap
     kind = needs_rope_permute(ckpt.fmt, name)
     if kind is not None:  # per head, so a slice of whole heads converts alone
         t = to_half_split(t, t.shape[0] // ckpt.config.head_dim)
+    rows = latent_rope_rows(ckpt.fmt, ckpt.config, name)
+    if rows is not None:  # likewise
+        t = rope_rows(t, rows)
     t = t.to(device=device, dtype=dtype)
     if part is None:
         by_source[source] = t

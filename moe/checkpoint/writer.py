@@ -24,7 +24,9 @@ from moe.checkpoint.formats import (
     MISTRAL,
     external_name,
     is_stacked_expert,
+    latent_rope_rows,
     needs_rope_permute,
+    rope_rows,
     to_interleaved,
 )
 from moe.host import process_alive
@@ -46,6 +48,9 @@ def to_external(state: dict[str, torch.Tensor], cfg: ModelConfig, fmt: str,
         kind = needs_rope_permute(fmt, name)
         if kind is not None:
             t = to_interleaved(t, cfg.n_heads if kind == "wq" else cfg.n_kv_heads)
+        rows = latent_rope_rows(fmt, cfg, name)
+        if rows is not None:
+            t = rope_rows(t, rows, half_split=False)
         out[external_name(fmt, cfg, name)] = t.contiguous()
     return out
 

@@ -60,14 +60,15 @@ class ShardedEngine:
     # -- stepping (moe.generation.Stepper) ---------------------------------------------------------
     def start(self, batch: int, length: int, pad_B: torch.Tensor) -> None:
         cfg = self.model.cfg
-        kv_heads = {str(i): self.model.layers[str(i)].attention.n_kv_heads for i in self.my_blocks}  # this rank's
+        kv_heads = {str(i): getattr(self.model.layers[str(i)].attention, "n_kv_heads", 1)  # this rank's
+                    for i in self.my_blocks}
         a, b = self._bounds(batch)[self.rank]  # a replicated block caches this rank's slice of the batch only
         rows = {name: b - a if self.placement.strategy(int(name)).attention == "replicated" else batch
                 for name in kv_heads}
         if self.dist.device.type == "cuda":  # the user's process cannot see this GPU's free memory: check here
-            self._check_kv_fits(sum(rows[k] * n for k, n in kv_heads.items()) * length * 2 * cfg.head_dim
-                                * self.dtype.itemsize)
-        self.caches = {name: KVCache(rows[name], n, length, cfg.head_dim, self.dtype, self.dist.device)
+            self._check_kv_fits(sum(rows[k] * KVCache.bytes_per_token(cfg, self.dtype.itemsize, n)
+                                    for k, n in kv_heads.items()) * length)
+        self.caches = {name: KVCache.of(cfg, rows[name], length, self.dtype, self.dist.device, n)
                        for name, n in kv_heads.items()}
         self.padding = Padding.of(pad_B, self.dist.device)
 
