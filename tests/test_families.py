@@ -37,6 +37,21 @@ FAMILIES = {
                      swiglu_alpha=1.2, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0,
                                                             beta_fast=32.0, beta_slow=1.0, truncate=False,
                                                             original_max_position_embeddings=32))),
+    # latent attention with q's bottleneck, grouped sigmoid routing with its choosing bias, scaling, a shared
+    # expert, a dense first block, yarn entering the softmax scale (mscale_all_dim)
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                         first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+                         qk_rope_head_dim=8, v_head_dim=12, n_shared_experts=1, moe_intermediate_size=32,
+                         routed_scaling_factor=2.5, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0,
+                                                                         factor=4.0, mscale=1.0, mscale_all_dim=0.8,
+                                                                         original_max_position_embeddings=64))),
+    # q directly, V2's softmax routing limited to the best group, two shared experts
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                    dict(num_key_value_heads=4, n_routed_experts=6, num_experts_per_tok=2, n_group=3, topk_group=2,
+                         topk_method="group_limited_greedy", q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+                         qk_rope_head_dim=8, v_head_dim=12, n_shared_experts=2, moe_intermediate_size=32,
+                         routed_scaling_factor=1.5)),
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM",
                dict(num_local_experts=4, num_experts_per_tok=2, attention_bias=True, lm_head_bias=True,
                     router_jitter_noise=0.3, sliding_window=None)),
@@ -52,6 +67,9 @@ def hf_family(name: str, seed: int = 0, **overrides):
         for n, p in model.named_parameters():
             if "norm" in n or n.endswith(("bias", "sinks")):
                 p.normal_(1.0 if n.endswith("weight") else 0.0, 0.3)
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):  # DeepSeek-V3's choosing bias, zeros until trained
+                b.normal_(0.0, 0.3)
     return model.eval()
 
 

@@ -32,6 +32,8 @@ def split_attention(model: Transformer, block: str, ranks: tuple[int, ...], rank
     projection by columns; its bias, added once after the sum over the group, only on the group's first rank.
     Per-head q/k norms apply to every head alike and stay whole."""
     cfg, attention = model.cfg, model.layers[block].attention
+    if cfg.latent:
+        return split_latent_attention(model, block, ranks, rank)
     q, kv = head_slices(cfg.n_heads, cfg.n_kv_heads, len(ranks), ranks.index(rank))
     Dh, bias = cfg.head_dim, cfg.qkv_bias
     with torch.device("meta"):
@@ -48,6 +50,25 @@ def split_attention(model: Transformer, block: str, ranks: tuple[int, ...], rank
         prefix + "wo.weight": (1, q.start * Dh, q.stop * Dh)} | (
         {prefix + f"{w}.bias": s for w, s in rows.items()} if bias else {}) | (
         {prefix + "sinks": (0, q.start, q.stop)} if cfg.sinks else {})
+
+
+def split_latent_attention(model: Transformer, block: str, ranks: tuple[int, ...], rank: int) -> None:
+    """Latent attention's heads: q (or q's second projection) and wkv_b by rows, the output projection by columns.
+    The latent's projection and norms, and so the cache of latents and rotary keys, are whole on every rank of the
+    group: each holds the block's entire cache (it is shared by all heads), and its own heads' queries."""
+    cfg, attention = model.cfg, model.layers[block].attention
+    q, _ = head_slices(cfg.n_heads, cfg.n_heads, len(ranks), ranks.index(rank))
+    qk, kv = cfg.qk_nope_dim + cfg.head_dim, cfg.qk_nope_dim + cfg.v_head_dim
+    name = "wq_b" if cfg.q_lora_rank else "wq"
+    with torch.device("meta"):
+        setattr(attention, name, Linear(cfg.q_lora_rank or cfg.dim, len(q) * qk))
+        attention.wkv_b = Linear(cfg.kv_lora_rank, len(q) * kv)
+        attention.wo = Linear(len(q) * cfg.v_head_dim, cfg.dim)
+    attention.n_heads = len(q)
+    prefix = f"layers.{block}.attention."
+    model.slices = slices_of(model) | {prefix + f"{name}.weight": (0, q.start * qk, q.stop * qk),
+                                       prefix + "wkv_b.weight": (0, q.start * kv, q.stop * kv),
+                                       prefix + "wo.weight": (1, q.start * cfg.v_head_dim, q.stop * cfg.v_head_dim)}
 
 
 def split_experts(model: Transformer, block: str, group: tuple[int, ...], rank: int, held: list[int],
