@@ -163,8 +163,9 @@ def test_families_and_fields_not_run_are_refused_in_one_line(tmp_path):
     base = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=96, vocab_size=128)
     cases = [
         (dict(model_type="bert"), "model_type 'bert' is not supported; supported: mixtral, mistral, llama, qwen3_moe"),
-        (dict(model_type="deepseek_v3"), "model_type 'deepseek_v3' needs multi-head latent attention, which this "
-                                         "version does not run"),
+        (dict(model_type="deepseek_v2", num_attention_heads=4, topk_method="noaux"),
+         "topk_method 'noaux' is not supported; supported: greedy, group_limited_greedy"),
+        (dict(model_type="deepseek_v3", attention_bias=True), "attention_bias is not supported for multi-head latent"),
         (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
         (dict(model_type="llama", mlp_bias=True), "mlp_bias is not supported"),
         (dict(model_type="gpt_oss", layer_types=["sliding_attention", "chunked_attention"]),

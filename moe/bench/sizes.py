@@ -64,6 +64,41 @@ def pack_experts_mxfp4(directory: Path) -> Path:
     return directory
 
 
+FP8_SKIPPED = ("embed_tokens", "lm_head", "norm", "mlp.gate.")  # as DeepSeek-V3 ships: its linear layers only
+
+
+def pack_linear_fp8(directory: Path, block: int = 128) -> Path:
+    """Rewrite a checkpoint's linear weights as DeepSeek-V3 ships them: `X.weight` float8_e4m3fn with
+    `X.weight_scale_inv` [ceil(out/block), ceil(in/block)] fp32 (each block's largest magnitude / 448), and
+    config.json's quantization_config saying so. Embeddings, the head, norms and routers stay as they are."""
+    for path in sorted(directory.glob("*.safetensors")):
+        tensors = load_file(path)
+        for name in [n for n in tensors if n.endswith(".weight") and tensors[n].dim() == 2
+                     and ".layers." in n and not any(s in n for s in FP8_SKIPPED)]:
+            tensors[name], tensors[name + "_scale_inv"] = quantize_fp8(tensors[name], block)
+        save_file(tensors, path, metadata={"format": "pt"})
+        index = directory / HF_INDEX
+        if index.exists():
+            data = json.loads(index.read_text())
+            data["weight_map"] |= {n: path.name for n in tensors if n.endswith("_scale_inv")}
+            index.write_text(json.dumps(data, indent=2))
+    config = json.loads((directory / "config.json").read_text())
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [block] * 2}
+    (directory / "config.json").write_text(json.dumps(config | {"quantization_config": quant}, indent=2))
+    return directory
+
+
+def quantize_fp8(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w / scale as float8_e4m3fn, scale [ceil(R/b), ceil(C/b)]): each block scaled by its largest magnitude / 448."""
+    R, C = w.shape
+    padded = torch.zeros(-(-R // block) * block, -(-C // block) * block)
+    padded[:R, :C] = w.float()
+    blocks = padded.view(padded.shape[0] // block, block, padded.shape[1] // block, block)
+    scale = (blocks.abs().amax(dim=(1, 3)) / 448).clamp(min=2.0 ** -126)
+    q = (blocks / scale[:, None, :, None]).view_as(padded)[:R, :C].to(torch.float8_e4m3fn)
+    return q, scale
+
+
 def write_sized_checkpoint(path: Path, size: str, seed: int = 0, max_shard_bytes: int | None = None,
                            vocab_size: int | None = None) -> Path:
     """`vocab_size`: the embedding's rows instead of the size's (a server bench matches its tokenizer's, so that

@@ -7,6 +7,8 @@
 - MXFP4, gpt-oss's experts as shipped: `X_blocks` [E, R, G, 16] uint8 (two FP4 values a byte, low nibble first)
   and `X_scales` [E, R, G] uint8 (E8M0: a power of two, bias 127) stand for `X` [E, R, 32G], decoded as
   transformers' `integrations/mxfp4.py` decodes them.
+- FP8 with block scales, DeepSeek-V3's linear weights as shipped: `X.weight` float8_e4m3fn times its
+  `X.weight_scale_inv` block's scale (128 x 128 blocks), as transformers' `integrations/finegrained_fp8.py`.
 
 A read takes only what the rank holds: one expert, and of a tensor-parallel slice only its rows (or the stored
 columns, or MXFP4 blocks, that hold its columns), decoded one expert at a time into the loading dtype.
@@ -98,6 +100,30 @@ class Mxfp4:
         return decode_mxfp4(packed, exps)[:, c0 - g0 * MXFP4_BLOCK:c1 - g0 * MXFP4_BLOCK]
 
 
+@dataclass(frozen=True)
+class Fp8:
+    """`weight` [R, C] float8_e4m3fn and `scales` [ceil(R/b), ceil(C/b)] fp32 (`weight_scale_inv`): one scale per b x b
+    block, as DeepSeek-V3 ships its linear weights. A single tensor: `e` is ignored."""
+
+    weight: TensorInfo
+    scales: TensorInfo
+    block: int = 128
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.weight.shape
+
+    def box(self, read: ReadRanges, e: int, rows: Span, cols: Span | None) -> torch.Tensor:
+        (r0, r1), (c0, c1), b = rows, cols or (0, self.weight.shape[1]), self.block
+        raw = torch.empty(r1 - r0, c1 - c0, dtype=torch.uint8)
+        read(self.weight, box_ranges(self.weight, rows, (c0, c1)), raw)
+        (s0, s1), (t0, t1) = (r0 // b, -(-r1 // b)), (c0 // b, -(-c1 // b))  # the blocks that hold the box
+        scales = torch.empty(s1 - s0, t1 - t0)
+        read(self.scales, box_ranges(self.scales, (s0, s1), (t0, t1)), scales)
+        scales = scales.repeat_interleave(b, 0)[r0 - s0 * b:r1 - s0 * b]
+        return raw.view(torch.float8_e4m3fn).float() * scales.repeat_interleave(b, 1)[:, c0 - t0 * b:c1 - t0 * b]
+
+
 def decode_mxfp4(packed: torch.Tensor, exps: torch.Tensor) -> torch.Tensor:
     """[rows, G*16] uint8 blocks and [rows, G] uint8 scales -> [rows, 32G] fp32 values (exactly: an FP4 value times
     a power of two, so casting to bf16 gives transformers' bf16 decode bit for bit). One lookup per byte gives both
@@ -131,7 +157,7 @@ class Derived(TensorInfo):
     """Expert `expert`'s tensor of a stacked `source`, computed at read time: rows k, k+n, ... of its row (after a
     transpose where `transpose`). `shape` and `dtype` are the result's."""
 
-    source: Plain | Mxfp4 | None = None
+    source: Plain | Mxfp4 | Fp8 | None = None
     expert: int = 0
     k: int = 0
     n: int = 1
@@ -153,13 +179,20 @@ class Derived(TensorInfo):
         out.copy_((box.T if self.transpose else box)[self.k::self.n])
 
 
-def catalog(tensors: dict[str, TensorInfo], fmt: str, cfg: ModelConfig,
-            dtype: torch.dtype | None = None) -> dict[str, TensorInfo]:
-    """The checkpoint's tensors as the name map reads them: MXFP4 pairs as the tensors they stand for (decoded into
-    `dtype`), and each 3-D expert tensor the map reads by rows replaced by one entry per expert (and part).
-    Multi-token-prediction blocks past the last one (DeepSeek-V3's `num_nextn_predict_layers`) are left out."""
+def catalog(tensors: dict[str, TensorInfo], fmt: str, cfg: ModelConfig, dtype: torch.dtype | None = None,
+            fp8_block: int = 128) -> dict[str, TensorInfo]:
+    """The checkpoint's tensors as the name map reads them: MXFP4 pairs and FP8 weights with their block scales as
+    the tensors they stand for (decoded into `dtype`), and each 3-D expert tensor the map reads by rows replaced by
+    one entry per expert (and part). Multi-token-prediction blocks past the last one (DeepSeek-V3's
+    `num_nextn_predict_layers`) are left out."""
     extra = {f"model.layers.{cfg.n_layers + k}." for k in range(cfg.mtp_layers)}
     tensors, packed = {n: t for n, t in tensors.items() if not n.startswith(tuple(extra))}, {}
+    for name in [n for n in tensors if n.endswith(".weight_scale_inv")]:
+        weight = name.removesuffix("_scale_inv")
+        if weight in tensors and tensors[weight].dtype == "F8_E4M3":
+            pair = Fp8(tensors[weight], tensors.pop(name), fp8_block)
+            tensors[weight] = Derived(pair.weight.file, CODES.get(dtype, "F32"), pair.shape, 0, pair.weight.nbytes,
+                                      pair)
     for name in [n for n in tensors if n.endswith("_blocks")]:
         base = name.removesuffix("_blocks")
         if base + "_scales" in tensors:

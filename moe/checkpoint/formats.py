@@ -246,6 +246,7 @@ class CheckpointFormat:
     config: ModelConfig
     weight_files: list[str]  # candidate weight files when there is no index
     torch_dtype: str | None
+    fp8_block: int = 128  # FP8 weights: the side of the square blocks their scales cover
 
 
 def detect(directory: str | Path) -> CheckpointFormat:
@@ -258,20 +259,32 @@ def detect(directory: str | Path) -> CheckpointFormat:
         files = sorted(p.name for p in d.glob("*.safetensors"))
         fmt, cfg = _hf_layout(d, files), _config(ModelConfig.from_hf, raw, d / "config.json")
         dtype = raw.get("dtype") or raw.get("torch_dtype")
-        method = (raw.get("quantization_config") or {}).get("quant_method")
-        if method not in (None, "mxfp4"):
-            raise CheckpointError(f"{d / 'config.json'}: quantization_config's quant_method {method!r} is not "
-                                  "supported; supported: mxfp4 (gpt-oss's experts as shipped)")
+        block = _quantization(raw.get("quantization_config") or {}, d / "config.json")
     elif (d / "params.json").exists():
         raw = _read_json(d / "params.json")
         files = sorted(p.name for p in d.glob("consolidated*.safetensors"))
-        fmt, cfg, dtype = MISTRAL, _config(ModelConfig.from_mistral, raw, d / "params.json"), None
+        fmt, cfg, dtype, block = MISTRAL, _config(ModelConfig.from_mistral, raw, d / "params.json"), None, 128
     else:
         if any(p.suffix in (".bin", ".pt", ".pth") for p in d.iterdir()):
             refuse_pickles(d)
         raise CheckpointError(f"{d}: neither config.json (Hugging Face) nor params.json (Mistral) found")
     check_size(d, cfg, "params.json" if fmt == MISTRAL else "config.json", 17 / 32 if fmt == HF_MXFP4 else 1)
-    return CheckpointFormat(fmt, cfg, files, dtype)
+    return CheckpointFormat(fmt, cfg, files, dtype, block)
+
+
+def _quantization(quant: dict, path: Path) -> int:
+    """The FP8 block side of a config's quantization_config (128 where it has none); refuses what is not read."""
+    method = quant.get("quant_method")
+    if method not in (None, "mxfp4", "fp8"):
+        raise CheckpointError(f"{path}: quantization_config's quant_method {method!r} is not supported; supported: "
+                              "mxfp4 (gpt-oss's experts as shipped), fp8 with block scales (DeepSeek-V3's)")
+    if method != "fp8":
+        return 128
+    block = quant.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and block[0] == block[1] and block[0] > 0):
+        raise CheckpointError(f"{path}: quantization_config's fp8 weight_block_size must be two equal sides, got "
+                              f"{block!r} (per-tensor FP8 scales are not supported)")
+    return int(block[0])
 
 
 def _hf_layout(d: Path, files: list[str]) -> str:

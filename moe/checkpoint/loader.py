@@ -274,7 +274,8 @@ def load_into(model: nn.Module, ckpt: CheckpointFormat, directory: str | Path, f
     """
     progress = progress or silent()
     t0 = time.perf_counter()
-    tensors = catalog(index_tensors(Path(directory), ckpt.weight_files), ckpt.fmt, ckpt.config, dtype)
+    tensors = catalog(index_tensors(Path(directory), ckpt.weight_files), ckpt.fmt, ckpt.config, dtype,
+                      ckpt.fp8_block)
     check_names_and_shapes(ckpt, full_shapes, tensors)
     cfg = ckpt.config
     sources = needed_sources(model, ckpt.fmt, cfg)
