@@ -43,11 +43,15 @@ class LatentAttention(nn.Module):
         self.full = False  # every earlier position (no window)
 
     def prepare_weights(self, choice: KernelChoice) -> None:
-        """Keep wkv_b's rows as a plain per-head tensor too, for the absorbed form's two small products."""
+        """Keep W_UK and W_UV as plain per-head tensors too (made once: small beside the model), for the absorbed
+        form's two per-head products."""
         self.wkv_b.prepare_weights(choice)
+        self.w_uk, self.w_uv = (w.contiguous() for w in self.absorbed_weights())
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, N, C], W_UV [H, V, C]) from wkv_b's rows."""
+        if getattr(self, "w_uk", None) is not None:
+            return self.w_uk, self.w_uv
         w = self.wkv_b.dense("weight").view(self.n_heads, self.nope + self.v_dim, self.latent_dim)
         return w[:, :self.nope], w[:, self.nope:]
 
@@ -81,16 +85,21 @@ class LatentAttention(nn.Module):
 
     def absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
                  ctx: AttentionContext) -> torch.Tensor:
-        """Attention over the latents themselves, W_UK in the query and W_UV after the sum: [B, H, S, V], fp32."""
-        w_uk, w_uv = (w.float() for w in self.absorbed_weights())
-        S, L = q_nope.shape[2], latent.shape[2]
-        q_latent = torch.einsum("bhsn,hnc->bhsc", q_nope.float(), w_uk)  # [B, H, S, C]
-        latent32 = latent.float()
-        scores = (q_latent @ latent32.transpose(2, 3) + q_rope.float() @ k_rope.float().transpose(2, 3)) * self.scale
+        """Attention over the latents themselves, W_UK in the query and W_UV after the sum: [B, H, S, V]. Products
+        in the cache's dtype (every head against the one latent per token: a single product per sequence, the
+        cache never copied per head), the softmax in fp32."""
+        w_uk, w_uv = self.absorbed_weights()
+        B, H, S, N = q_nope.shape
+        L, dtype = latent.shape[2], latent.dtype
+        per_head = q_nope.permute(1, 0, 2, 3).reshape(H, B * S, N)  # one product per head: [H, B*S, N] x [H, N, C]
+        q_latent = (per_head @ w_uk.to(dtype)).view(H, B, S, -1).permute(1, 0, 2, 3).reshape(B, 1, H * S, -1)
+        scores = q_latent @ latent.transpose(2, 3) + q_rope.reshape(B, 1, H * S, -1) @ k_rope.transpose(2, 3)
+        scores = scores.float().view(B, H, S, L) * self.scale
         mask = ctx.mask
         if mask is None and ctx.is_causal:
             mask = torch.ones(S, L, dtype=torch.bool, device=scores.device).tril(L - S)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        summed = torch.softmax(scores, dim=-1) @ latent32  # [B, H, S, C]
-        return torch.einsum("bhsc,hvc->bhsv", summed, w_uv)
+        probs = torch.softmax(scores, dim=-1).to(dtype).view(B, 1, H * S, L)
+        summed = (probs @ latent).view(B, H, S, -1).permute(1, 0, 2, 3).reshape(H, B * S, -1)  # [H, B*S, C]
+        return (summed @ w_uv.to(dtype).transpose(1, 2)).view(H, B, S, -1).permute(1, 0, 2, 3)

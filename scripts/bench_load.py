@@ -1,6 +1,7 @@
 """Load time and per-rank peak memory: one checkpoint in three layouts, loaded on 1 and N ranks.
 
     python scripts/bench_load.py --size small --gpus 4 --json load.json
+    python scripts/bench_load.py --size gpt-oss --mxfp4
 
 Layouts: one monolithic safetensors file; files of at most --max-shard-size; rank-aligned files of at most
 --max-shard-size (scripts/shard.py --gpus N). Every load runs in fresh processes, so each peak RSS (VmHWM) is

@@ -32,6 +32,14 @@ SIZES = {
                            sliding_window=128, full_layers=(1, 3, 5, 7), family="gpt_oss", sinks=True,
                            router_bias=True, expert_bias=True, glu="clamped", qkv_bias=True, o_bias=True,
                            norm="rms_fp32"),
+    # DeepSeek-V2-Lite's shape scaled down: latent attention (latent 128 + rotary 32 per token and block, against
+    # 16 heads x (64 + 32 + 64) for per-head keys and values), 32 experts of width 256, top-4, 2 shared, a dense first
+    # block (the real model: dim 2048, 27 blocks, latent 512 + 64, 64 experts of 1408, top-6)
+    "deepseek": ModelConfig(dim=512, n_layers=8, n_heads=16, n_kv_heads=16, head_dim=32, hidden_dim=256,
+                            vocab_size=8000, n_experts=32, top_k=4, max_seq_len=16384, rope_theta=10000.0,
+                            family="deepseek_v2", router="deepseek_v2", kv_lora_rank=128, qk_nope_dim=64,
+                            v_head_dim=64, rope_interleave=True, attention_scale=96 ** -0.5, shared_hidden_dim=512,
+                            dense_layers=(0,), dense_hidden_dim=1408),
 }
 MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
                                                                     "model.layers.*.mlp.router",
@@ -100,10 +108,11 @@ def quantize_fp8(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def write_sized_checkpoint(path: Path, size: str, seed: int = 0, max_shard_bytes: int | None = None,
-                           vocab_size: int | None = None) -> Path:
+                           vocab_size: int | None = None, max_seq_len: int | None = None) -> Path:
     """`vocab_size`: the embedding's rows instead of the size's (a server bench matches its tokenizer's, so that
-    every token it streams has text)."""
+    every token it streams has text); `max_seq_len`: a longer context than the size's."""
     cfg = SIZES[size] if vocab_size is None else dataclasses.replace(SIZES[size], vocab_size=vocab_size)
+    cfg = cfg if max_seq_len is None else dataclasses.replace(cfg, max_seq_len=max(max_seq_len, cfg.max_seq_len))
     torch.manual_seed(seed)
     model = Transformer(cfg)
     with torch.no_grad():
