@@ -2,6 +2,7 @@
 
     python scripts/bench_load.py --size small --gpus 4 --json load.json
     python scripts/bench_load.py --size gpt-oss --mxfp4
+    python scripts/bench_load.py --size deepseek --fp8
 
 Layouts: one monolithic safetensors file; files of at most --max-shard-size; rank-aligned files of at most
 --max-shard-size (scripts/shard.py --gpus N). Every load runs in fresh processes, so each peak RSS (VmHWM) is

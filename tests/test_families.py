@@ -133,6 +133,16 @@ def test_a_save_loads_in_transformers_as_its_family(family, tmp_path):
         assert torch.equal(again(ids).logits, hf(ids).logits)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt_oss", "deepseek_v3"])
+def test_the_compiled_decode_step_gives_the_eager_tokens(name, tmp_path):
+    """Sinks and windows alternating per block; latent attention's absorbed form on a static-shape cache."""
+    hf_family(name).save_pretrained(tmp_path / name)
+    prompts = [[1, 9, 33, 7, 5, 12], [1, 40, 41]]
+    eager = MoEModel.from_pretrained(tmp_path / name).generate(prompts, max_new_tokens=10)
+    assert MoEModel.from_pretrained(tmp_path / name, compile=True).generate(prompts, max_new_tokens=10) == eager
+
+
 @pytest.mark.parametrize("name", ["qwen3_moe", "granitemoe"])
 def test_fused_expert_tensors_as_transformers_5_writes_them_load_too(name, tmp_path):
     """`save_pretrained(save_original_format=False)`: each block's experts as 3-D `gate_up_proj`/`down_proj`."""

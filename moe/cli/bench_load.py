@@ -8,10 +8,11 @@ that rank's own; "above base" subtracts the process's RSS before it read any wei
 time over --repeats runs, and the target the sharding issue sets: weights/N + 15%.
 
     python scripts/bench_load.py --size gpt-oss --mxfp4
+    python scripts/bench_load.py --size deepseek --fp8
 
-`--mxfp4`: the size's checkpoint with its experts as gpt-oss ships them (MXFP4 blocks and scales), loaded at bf16
-and int8 on 1 rank: peak memory above base against the size of the loaded weights (decoding one expert at a time
-should keep them close).
+`--mxfp4`: the size's checkpoint with its experts as gpt-oss ships them (MXFP4 blocks and scales); `--fp8`: with its
+linear weights as DeepSeek-V3 ships them (FP8, 128 x 128 block scales). Loaded at bf16 and int8 on 1 rank: peak
+memory above base against the size of the loaded weights (decoding one tensor at a time should keep them close).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 
 from moe.api import MoEModel
-from moe.bench.sizes import SIZES, pack_experts_mxfp4, write_sized_checkpoint
+from moe.bench.sizes import SIZES, pack_experts_mxfp4, pack_linear_fp8, write_sized_checkpoint
 from moe.checkpoint.convert import parse_size
 from moe.checkpoint.reshard import reshard
 from moe.parallel.placement import Placement
@@ -47,12 +48,13 @@ def load_once(path: Path, gpus: int) -> list[dict]:
                  "wall_seconds": wall} for r in range(i.ranks)]
 
 
-def load_shipped(size: str, repeats: int) -> dict:
-    """`--mxfp4`: load the size's checkpoint with MXFP4 experts at bf16 and int8, each in a fresh process."""
+def load_shipped(size: str, repeats: int, fmt: str) -> dict:
+    """`--mxfp4`, `--fp8`: load the size's checkpoint in that format at bf16 and int8, each in a fresh process."""
     with tempfile.TemporaryDirectory() as tmp:
-        path = pack_experts_mxfp4(write_sized_checkpoint(Path(tmp) / "mxfp4", size))
+        path = write_sized_checkpoint(Path(tmp) / fmt, size)
+        path = pack_experts_mxfp4(path) if fmt == "mxfp4" else pack_linear_fp8(path)
         file_mib = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**20
-        print(f"checkpoint {size} with MXFP4 experts: {file_mib:.0f} MiB on disk; median of {repeats} loads")
+        print(f"checkpoint {size} as {fmt}: {file_mib:.0f} MiB on disk; median of {repeats} loads")
         print(f"{'dtype':>9} {'load s':>6} {'base MiB':>8} {'peak MiB':>8} {'above':>6} {'bf16 weights MiB':>16}")
         result = {"file_mib": file_mib, "cases": {}}
         for dtype in ("bfloat16", "int8"):
@@ -71,13 +73,14 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--mxfp4", action="store_true", help="the size's experts as MXFP4 blocks, loaded at bf16 and int8")
+    ap.add_argument("--fp8", action="store_true", help="the size's linear weights as block-scaled FP8, likewise")
     ap.add_argument("--gpus", type=int, default=4)
     ap.add_argument("--max-shard-size", default="200MB")
     ap.add_argument("--repeats", type=int, default=3, help="loads per case; the median is shown")
     ap.add_argument("--json", type=Path, default=None, help="also write every figure here")
     args = ap.parse_args(argv)
-    if args.mxfp4:
-        result = load_shipped(args.size, args.repeats)
+    if args.mxfp4 or args.fp8:
+        result = load_shipped(args.size, args.repeats, "mxfp4" if args.mxfp4 else "fp8")
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))
         return
