@@ -26,10 +26,13 @@ class FamilyError(ValueError):
 
 
 def family_of(cfg: dict[str, Any]) -> str:
+    """`model_type`, else (no model_type, or one of another name for a known architecture, as Kimi-K2's `kimi_k2` is
+    DeepSeek-V3's) the first known name in `architectures`, else Mixtral."""
     kind = cfg.get("model_type")
-    if kind is None:
-        names = {v: k for k, v in ARCHITECTURES.items()}
-        kind = next((names[a] for a in cfg.get("architectures") or [] if a in names), "mixtral")
+    names = {v: k for k, v in ARCHITECTURES.items()}
+    known = next((names[a] for a in cfg.get("architectures") or [] if a in names), None)
+    if kind is None or (kind not in ARCHITECTURES and kind not in NOT_YET and known is not None):
+        kind = known or "mixtral"
     if kind in NOT_YET:
         raise FamilyError(f"config.json's model_type {kind!r} needs {NOT_YET[kind]}, which this version does not "
                           f"run; supported: {', '.join(ARCHITECTURES)}")

@@ -167,6 +167,16 @@ def test_mixtral_fused_as_transformers_5_writes_it_loads(tmp_path):
         assert (MoEModel.from_pretrained(tmp_path / "fused")(ids) - hf(ids).logits).abs().max().item() < 1e-4
 
 
+def test_a_model_type_of_another_name_is_read_by_its_architecture():
+    """Kimi-K2 ships model_type "kimi_k2" with DeepseekV3ForCausalLM, as vLLM reads it."""
+    from models.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(dict(model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"], hidden_size=64,
+                                   num_attention_heads=4, num_hidden_layers=2, intermediate_size=96, vocab_size=128,
+                                   n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1))
+    assert (cfg.family, cfg.router, cfg.latent, cfg.n_experts) == ("deepseek_v3", "deepseek_v3", True, 8)
+
+
 def test_families_and_fields_not_run_are_refused_in_one_line(tmp_path):
     from models.config import ConfigError, ModelConfig
 
