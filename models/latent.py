@@ -18,10 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.attention import AttentionContext, KVCache, RMSNorm, apply_rotary
+from models.attention import AttentionContext, KVCache, apply_rotary
 from models.basic import Linear
 from models.config import ModelConfig
 from models.kernels.choice import KernelChoice
+from models.norms import RMSNorm
 
 
 class LatentAttention(nn.Module):
