@@ -72,9 +72,8 @@ class MoEModel:
         rank holds the dense weights and runs its own slice of the batch) or "tensor" (heads split over the ranks);
         experts "expert" (whole experts placed, default), "tensor" (each expert's hidden dimension split) or "layer"
         (every expert on its block's owner: a pipeline of whole blocks, with attention "layer").
-        `cpu_kernels="auto"` runs the project's CPU kernels where they were built and measured, else oneDNN
-        (`models.kernels.choice` decides; `info.kernels` says what runs); "onednn" packs every weight for oneDNN;
-        "torch" keeps plain tensors and `F.linear`. `dtype="int8"`: int8 weights quantized at load, bf16 activations.
+        `cpu_kernels`: `models.kernels.choice.CPU_KERNELS_HELP` says what each choice runs (that object decides;
+        `info.kernels` says what runs). `dtype="int8"`: int8 weights quantized at load, bf16 activations.
         `compile=True` runs decode steps through `torch.compile`, every shape static (`moe.engine.compiled`; a CUDA
         graph on GPUs): each batch size compiles once (tens of seconds on a CPU). On N ranks it needs replicated
         attention or experts "layer" (`moe.engine.layouts`).

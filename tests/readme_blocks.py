@@ -1,5 +1,5 @@
-"""The README's fenced code blocks, so tests and CI run what a reader copies (stdlib only: CI calls it
-before anything is installed).
+"""The fenced code blocks of the README and of docs/, so tests and CI run what a reader copies (stdlib only: CI
+calls it before anything is installed).
 
     python3 tests/readme_blocks.py bash 0     # prints the README's first bash block
 """
@@ -10,7 +10,9 @@ import re
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
 
 
 def blocks(language: str, readme: Path = README) -> list[str]:

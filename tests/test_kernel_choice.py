@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from models.experts import grouped_mm_runs
 from models.kernels import choice as kc
 from models.kernels.choice import KernelChoice, choose
-from models.mixture import grouped_mm_runs
 
 
 def cpu(dtype: str = "float32", native: bool = True, bf16: bool = True, asked: str = "auto") -> KernelChoice:
@@ -65,3 +65,23 @@ def test_auto_takes_the_native_kernels_only_where_they_were_measured(monkeypatch
 
 def test_grouped_experts_on_a_gpu_only_where_torch_has_the_grouped_product():
     assert not grouped_mm_runs(torch.zeros(2, 4, 4, dtype=torch.bfloat16))  # on a CPU: the per-expert loop
+
+
+def test_the_help_texts_name_what_the_choice_runs():
+    """Every command's --cpu-kernels help is the choice's own text, and the kernels it names for "auto" are the
+    ones `choose` picks on this machine (a help that named a path no longer taken would fail here)."""
+    import re
+
+    from models.kernels import choice as kc
+    from moe.cli.generate import parser
+
+    names = {kc.NATIVE_DECODE, kc.NATIVE_PROMPT, kc.ONEDNN}
+    assert set(re.findall(r'"([^"]+)"', kc.CPU_KERNELS_HELP)) == names
+    parser_help = next(a.help for a in parser()._actions if "--cpu-kernels" in a.option_strings)
+    assert parser_help == kc.CPU_KERNELS_HELP
+    for dtype in (torch.float32, torch.bfloat16):
+        picked = kc.choose("auto", "cpu", dtype)
+        if picked.native:
+            assert picked.product(1) == kc.NATIVE_DECODE
+            assert picked.product(64) == (kc.ONEDNN if dtype == torch.bfloat16 and picked.bf16_instructions
+                                          else kc.NATIVE_PROMPT)

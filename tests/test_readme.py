@@ -1,8 +1,9 @@
-"""The README cannot drift from the code: its Python examples and its first command run as a reader runs them.
+"""The README and docs/ cannot drift from the code: their Python examples and the README's first command run as a
+reader runs them.
 
-Each ```python block runs as a script of its own (no main guard, imports included) in a fresh process, from
-a clean working directory that holds only the shipped `weights/` (as the repository root would), twice: an
-example that writes a fixed path would fail the second time.
+Each ```python block (README.md and every page of docs/) runs as a script of its own (no main guard, imports
+included) in a fresh process, from a clean working directory that holds only the shipped `weights/` (as the
+repository root would), twice: an example that writes a fixed path would fail the second time.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ import sys
 
 import pytest
 
-from tests.checkpoints import ROOT
-from tests.readme_blocks import blocks
+from tests.readme_blocks import DOCS, README, ROOT, blocks
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -24,10 +24,13 @@ def clean_dir(tmp_path):
     return tmp_path
 
 
-@pytest.mark.parametrize("index", range(len(blocks("python"))))
-def test_python_example_runs_as_a_plain_script_twice(index, tmp_path):
+EXAMPLES = [(page, i) for page in [README, *DOCS] for i in range(len(blocks("python", page)))]
+
+
+@pytest.mark.parametrize("page, index", EXAMPLES, ids=[f"{p.name}-{i}" for p, i in EXAMPLES])
+def test_python_example_runs_as_a_plain_script_twice(page, index, tmp_path):
     script = tmp_path / f"example{index}.py"
-    script.write_text(blocks("python")[index])
+    script.write_text(blocks("python", page)[index])
     for attempt in range(2):
         proc = subprocess.run([sys.executable, script.name], cwd=clean_dir(tmp_path) if attempt == 0 else tmp_path,
                               capture_output=True, text=True, timeout=300)
@@ -46,3 +49,14 @@ def test_first_command_generates_text(tmp_path):
     prompt = argv[argv.index("--prompt") + 1]
     continuation = proc.stdout.split(prompt, 1)[1].split("\nload ")[0]
     assert len(continuation.split()) >= 4, proc.stdout
+
+
+def test_examples_pass_ruff(tmp_path):
+    """The line-length rule and the rest of ruff's apply to what the pages show."""
+    ruff = pytest.importorskip("ruff", reason="ruff is in the test extra")
+    del ruff
+    for n, (page, i) in enumerate(EXAMPLES):
+        (tmp_path / f"{page.stem.replace('-', '_')}_{n}.py").write_text(blocks("python", page)[i])
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--config", str(ROOT / "pyproject.toml"),
+                           str(tmp_path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout

@@ -185,13 +185,14 @@ def test_two_ranks_answer_as_one(local):
                                                                               temperature=0)]
 
 
-def test_the_readmes_curl_and_client_examples(server):
-    from tests.readme_blocks import blocks
+def test_the_serving_pages_curl_and_client_examples(server):
+    from tests.readme_blocks import ROOT, blocks
 
-    curl = next(b for b in blocks("bash") if b.startswith("curl")).replace("8000", str(server.port))
+    page = ROOT / "docs" / "serving.md"
+    curl = next(b for b in blocks("bash", page) if b.startswith("curl")).replace("8000", str(server.port))
     done = subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=120)
     assert json.loads(done.stdout)["choices"][0]["finish_reason"] == "length"
-    (client_example,) = blocks("py")
+    (client_example,) = blocks("py", page)
     script = client_example.replace("8000", str(server.port)).replace('model="tiny-moe-austen-bbe"', 'model="austen"')
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "completion_tokens=16" in done.stdout, done.stderr

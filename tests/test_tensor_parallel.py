@@ -96,7 +96,7 @@ def test_a_plan_mixing_strategies_across_blocks(reference):
 
 
 def test_the_readme_plan_gives_the_one_rank_answer(tmp_path):
-    (example,) = [b for b in readme_blocks("json") if '"blocks"' in b]
+    (example,) = [b for b in readme_blocks("json", ROOT / "docs" / "parallelism.md") if '"blocks"' in b]
     (tmp_path / "plan.json").write_text(example)
     shipped = ROOT / "weights" / "tiny-moe-austen-bbe"
     one = MoEModel.from_pretrained(shipped)

@@ -32,6 +32,13 @@ ONEDNN, WIDENED, TORCH = "oneDNN", "fp32-widened", "torch"
 INT8_KERNEL, INT8_DEQUANTIZED = "torch int8 kernel", "bf16 of int8"
 NATIVE_ATTENTION, NATIVE_PROMPT_ATTENTION = "native one-query", "native causal"
 SDPA, SDPA_FP32 = "SDPA", "SDPA in fp32"
+# What every help text and docstring says of `cpu_kernels`, made from the names above (tests/test_kernel_choice.py
+# checks that it names what `choose` runs).
+CPU_KERNELS_HELP = (f"on CPU: auto (default) runs the project's kernels where they built for a measured flavour "
+                    f"({', '.join(MEASURED_FLAVOURS)}): decode rows through \"{NATIVE_DECODE}\", prompts through "
+                    f"\"{NATIVE_PROMPT}\" (bf16 on a CPU with bf16 instructions: \"{ONEDNN}\"), else \"{ONEDNN}\" or "
+                    f"torch's products; onednn packs every weight for oneDNN; torch: plain torch products. "
+                    f"model.info.kernels and a line on stderr say what runs")
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ class LlamaCpp:
         root = Path(directory or os.environ.get("LLAMA_CPP_DIR") or "")
         if not str(root) or not (root / "convert_hf_to_gguf.py").is_file():
             raise ValueError(f"--against llama.cpp: no llama.cpp tree at {str(root) or '(unset)'} (no "
-                             "convert_hf_to_gguf.py); pass --llama-cpp DIR or set LLAMA_CPP_DIR (README: Benchmarks)")
+                             "convert_hf_to_gguf.py); pass --llama-cpp DIR or set LLAMA_CPP_DIR (docs/performance.md)")
         for place in ("build/bin", "bin", "."):
             if (root / place / "llama-bench").is_file():
                 return cls(root, root / place / "llama-bench")

@@ -12,6 +12,7 @@ import sys
 import time
 from collections import Counter
 
+from models.kernels.choice import CPU_KERNELS_HELP, KERNELS
 from moe.api import MoEModel
 from moe.checkpoint.formats import detect
 from moe.cli.common import (
@@ -62,14 +63,11 @@ def parser() -> argparse.ArgumentParser:
                     help="every block's experts: expert: whole experts placed over the ranks (default); tensor: each "
                          "expert's hidden dimension split over all ranks (one all-reduce per block); layer: all on "
                          "the block's owner, a pipeline of whole blocks (no collective inside a block). Per-block "
-                         "strategies: a --placement file (README)")
+                         "strategies: a --placement file (docs/parallelism.md)")
     ap.add_argument("--exchange", choices=["auto", "all-to-all", "gather"], default="auto",
                     help="how token copies reach the experts' ranks: auto (default) gathers a decode step's few rows "
                          "to every rank (2 collectives per block) and uses all-to-all for prompts; or force one")
-    ap.add_argument("--cpu-kernels", choices=["auto", "onednn", "torch"], default="auto",
-                    help="on CPU: auto (default) runs decode steps through the streaming kernel (built once per "
-                         "machine) and prompts through oneDNN; onednn packs every weight for oneDNN; torch: plain "
-                         "torch products")
+    ap.add_argument("--cpu-kernels", choices=KERNELS, default="auto", help=CPU_KERNELS_HELP)
     ap.add_argument("--compile", action="store_true",
                     help="run decode steps through torch.compile with static shapes (a CUDA graph on GPUs); the first "
                          "step compiles (tens of seconds on a CPU); on N ranks with --attention replicated, the steps "
