@@ -6,7 +6,7 @@ Why a kernel of our own: a decode step is bound by reading weights, and none of 
 at the memory's read rate for a few rows. Measured on a 2-core AMD EPYC (AVX2), one row against 40 distinct
 weights, 2 threads, read bandwidth 16-23 GB/s that day: 3584 x 512 fp32 this kernel 19.0 GB/s, oneDNN packed
 12.1, MKL (`F.linear`) 6.3, an inductor-compiled multiply-sum 12.5; bf16 16.3 against MKL's 10.6; int8 12.4
-against torch's int8 kernel's 6.8 (docs/benchmarks.md). It also takes the experts of a block as one stacked
+against torch's int8 kernel's 6.8 (git log docs/benchmarks.md). It also takes the experts of a block as one stacked
 weight with per-expert row counts, read inside the kernel: no sort of weights, no loop over experts in Python, no
 host read of the counts.
 
@@ -63,7 +63,8 @@ def _simd_flags() -> tuple[str, list[str]]:
     """Flags for what this CPU runs, named in the build's name so machines sharing a cache never mix builds. AVX-512
     reaches the prompt kernel's inner loops (`gemm_micro.h`, written for it) and, with VNNI, the decode kernel's
     int8 loop (`matvec.cpp: dot_int`); the compiler's own loops stay 256-bit (-mprefer-vector-width=256), so the
-    other decode loops compile as in the AVX2 build (a 512-bit bf16 loop measured no faster, docs/benchmarks.md)."""
+    other decode loops compile as in the AVX2 build (a 512-bit bf16 loop measured no faster; git log
+    docs/benchmarks.md)."""
     capability = torch.backends.cpu.get_cpu_capability()
     flavour = {"AVX512": "avx512", "AVX2": "avx2"}.get(capability, "generic")
     asked = os.environ.get("MOE_CPU_KERNELS", "").lower()

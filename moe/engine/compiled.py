@@ -18,7 +18,7 @@ parameter and flag the step reads). A model does not change under its step, so a
 cache, padding, routing modes) goes through dynamo and every guard once. On CPU, where that first call compiles a
 graph, its compiled callable is kept (`CompiledDecode.direct`, handed over by a backend of our own), and later
 calls of the signature call it with the step's inputs, without dynamo: on this repository's 2-core AVX-512 EPYC,
-0.11-0.23 ms less per decode step of 1.5-2.9 ms (int8, bf16; docs/benchmarks.md) than entering through dynamo
+0.11-0.23 ms less per decode step of 1.5-2.9 ms (int8, bf16; git log docs/benchmarks.md) than entering through dynamo
 with its guards skipped. A signature whose first call compiled nothing (a graph of an earlier one passed its
 guards), and every signature on CUDA, runs through dynamo checking only the guards that tell this step's graphs
 apart (`skip_guard_eval_unsafe`; dynamo keeps among them every input tensor's guard and every guard that ever sent
