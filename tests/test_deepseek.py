@@ -109,3 +109,14 @@ def test_multi_token_prediction_blocks_past_the_last_are_skipped(tmp_path):
     (other / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 0}))
     with pytest.raises(ValueError, match="unexpected tensor"):  # not announced: refused, as any stray tensor
         MoEModel.from_pretrained(other)
+
+
+def test_scales_that_do_not_fit_their_weight_are_refused_in_one_line(tmp_path):
+    _, path = saved(tmp_path)
+    pack_linear_fp8(path, block=32)
+    tensors = load_file(path / "model.safetensors")
+    name = "model.layers.1.self_attn.kv_b_proj.weight_scale_inv"  # [80, 16] in blocks of 32: [3, 1] scales
+    save_file(tensors | {name: torch.ones(2, 1)}, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"tensor .*kv_b_proj.weight_scale_inv is F32 \[2, 1\]; .*kv_b_proj.weight "
+                                         r"\[80, 16\] in blocks of 32 need F32 \[3, 1\]"):
+        MoEModel.from_pretrained(path)

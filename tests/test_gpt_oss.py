@@ -4,6 +4,7 @@ that matches transformers' own load of the same directory, on 1 rank and on rank
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -97,12 +98,23 @@ def test_ranks_read_their_share_of_the_mxfp4_experts_and_give_the_one_rank_answe
 
 
 def test_a_quantization_not_run_is_refused_in_one_line(shipped, tmp_path):
-    import shutil
-
     from moe.checkpoint.files import CheckpointError
 
     other = shutil.copytree(shipped, tmp_path / "gptq")
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "gptq"}}))
     with pytest.raises(CheckpointError, match="quant_method 'gptq' is not supported; supported: mxfp4"):
+        MoEModel.from_pretrained(other)
+
+
+def test_blocks_and_scales_that_do_not_match_are_refused_in_one_line(shipped, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    other = shutil.copytree(shipped, tmp_path / "cut")
+    tensors = load_file(other / "model.safetensors")
+    name = "model.layers.0.mlp.experts.down_proj_scales"  # [6, 64, 3]: one block short
+    save_file(tensors | {name: tensors[name][..., :2].contiguous()}, other / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"down_proj_blocks is U8 \[6, 64, 3, 16\]; .*down_proj_scales \[6, 64, 2\] "
+                                         r"need U8 \[6, 64, 2, 16\]"):
         MoEModel.from_pretrained(other)

@@ -191,12 +191,17 @@ def catalog(tensors: dict[str, TensorInfo], fmt: str, cfg: ModelConfig, dtype: t
         weight = name.removesuffix("_scale_inv")
         if weight in tensors and tensors[weight].dtype == "F8_E4M3":
             pair = Fp8(tensors[weight], tensors.pop(name), fp8_block)
+            check_pair(name, pair.scales, tuple(-(-n // fp8_block) for n in pair.weight.shape), "F32",
+                       f"{weight} {list(pair.weight.shape)} in blocks of {fp8_block}")
             tensors[weight] = Derived(pair.weight.file, CODES.get(dtype, "F32"), pair.shape, 0, pair.weight.nbytes,
                                       pair)
     for name in [n for n in tensors if n.endswith("_blocks")]:
         base = name.removesuffix("_blocks")
         if base + "_scales" in tensors:
             pair = packed[base] = Mxfp4(tensors.pop(name), tensors.pop(base + "_scales"))
+            check_pair(name, pair.blocks, (*pair.scales.shape, MXFP4_BLOCK // 2), "U8",
+                       f"{base}_scales {list(pair.scales.shape)}")
+            check_pair(base + "_scales", pair.scales, pair.scales.shape, "U8", "E8M0 exponents")
             tensors[base] = dataclasses.replace(pair.blocks, dtype="MXFP4", shape=(pair.scales.shape[0], *pair.shape))
     selectors: dict[str, set[str]] = {}
     for template in name_map(fmt, cfg).values():
@@ -210,6 +215,14 @@ def catalog(tensors: dict[str, TensorInfo], fmt: str, cfg: ModelConfig, dtype: t
             if info is not None:
                 tensors |= expert_entries(base, info, packed.get(base), kinds, dtype)
     return tensors
+
+
+def check_pair(name: str, info: TensorInfo, shape: tuple[int, ...], dtype: str, what: str) -> None:
+    """A quantized weight's blocks or scales have the shape and dtype the other half implies: a wrong one would read
+    another tensor's bytes as its own."""
+    if tuple(info.shape) != tuple(shape) or info.dtype != dtype:
+        raise CheckpointError(f"{info.file.name}: tensor {name} is {info.dtype} {list(info.shape)}; {what} need "
+                              f"{dtype} {list(shape)}")
 
 
 def parse_kind(kind: str) -> tuple[int, int, str, bool]:
