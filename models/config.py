@@ -63,7 +63,7 @@ class ModelConfig:
     sinks: bool = False  # a learned logit per head joins each softmax's denominator (gpt-oss)
     router_bias: bool = False  # the router's gate has a bias (gpt-oss)
     expert_bias: bool = False  # every expert's products have biases (gpt-oss)
-    glu: str = "silu"  # the experts' gated unit: "silu", silu(gate) * up; "clamped", gpt-oss's (`models.mixture.Glu`)
+    glu: str = "silu"  # the experts' gated unit: "silu", silu(gate) * up; "clamped", gpt-oss's (`models.experts.Glu`)
     glu_alpha: float = 1.702  # "clamped": gate * sigmoid(alpha * gate)
     glu_limit: float = 7.0  # "clamped": gate clamped above, up on both sides
     # Multi-head latent attention (DeepSeek-V2/V3), on where kv_lora_rank is set (`models.latent`): keys and values
@@ -97,6 +97,13 @@ class ModelConfig:
             raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window must be positive or null, got {self.sliding_window}")
+        if self.router.startswith("deepseek") and (self.n_experts % self.n_group or not 0 < self.topk_group
+                                                   <= self.n_group):
+            raise ConfigError(f"n_group={self.n_group} must divide the {self.n_experts} experts and topk_group="
+                              f"{self.topk_group} lie in 1..n_group")
+        if self.router == "deepseek_v3" and self.n_experts // self.n_group < 2:
+            raise ConfigError(f"each of the n_group={self.n_group} groups needs 2 experts or more (its score is the "
+                              "sum of its best two)")
 
     @property
     def is_moe(self) -> bool:
@@ -106,10 +113,6 @@ class ModelConfig:
     def latent(self) -> bool:
         """Multi-head latent attention (DeepSeek): the cache holds a latent and a rotary key per token."""
         return self.kv_lora_rank is not None
-
-    def window_of(self, layer: int) -> int | None:
-        """The window block `layer` slides, or None where it attends to every earlier position."""
-        return None if layer in self.full_layers else self.sliding_window
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)

@@ -186,6 +186,8 @@ def test_families_and_fields_not_run_are_refused_in_one_line(tmp_path):
         (dict(model_type="deepseek_v2", num_attention_heads=4, topk_method="noaux"),
          "topk_method 'noaux' is not supported; supported: greedy, group_limited_greedy"),
         (dict(model_type="deepseek_v3", attention_bias=True), "attention_bias is not supported for multi-head latent"),
+        (dict(model_type="deepseek_v3", num_attention_heads=4, n_routed_experts=8, n_group=3),
+         "n_group=3 must divide the 8 experts and topk_group=1 lie in 1..n_group"),
         (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
         (dict(model_type="llama", mlp_bias=True), "mlp_bias is not supported"),
         (dict(model_type="gpt_oss", layer_types=["sliding_attention", "chunked_attention"]),
