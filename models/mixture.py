@@ -120,6 +120,11 @@ class LocalDispatcher:
     def combine(self, y_ND: torch.Tensor, meta: LocalDispatched) -> torch.Tensor:
         return weighted_sum(y_ND, meta, meta.rank_N)
 
+    def combine_with(self, y_ND: torch.Tensor, meta: Dispatched, partial_TD: torch.Tensor) -> torch.Tensor:
+        """`combine` with a partial result of this rank's added before any sum over ranks (a shared expert split
+        like the routed ones, `moe.parallel.tensor.split_shared`)."""
+        return self.combine(y_ND, meta) + partial_TD
+
 
 class MoEFeedForward(nn.Module):
     """router -> dispatcher.dispatch -> experts -> dispatcher.combine. Expert parallelism swaps the
@@ -155,6 +160,7 @@ class MoEFeedForward(nn.Module):
         # router runs (the block's attention ranks), never through the exchange; optionally gated per token.
         width = (cfg.dense_hidden_dim or cfg.hidden_dim) if dense else cfg.shared_hidden_dim
         self.shared = DenseMLP(cfg.dim, width) if width else None
+        self.shared_partial = False  # the shared expert holds a slice of its width: summed with the routed experts
         self.shared_gate = Linear(cfg.dim, 1) if cfg.shared_hidden_dim and cfg.shared_gate and not dense else None
 
     def forward(self, x_TD: torch.Tensor, decoding: bool = False) -> torch.Tensor:
@@ -165,20 +171,26 @@ class MoEFeedForward(nn.Module):
             self.route_check.add_(routing_checksum(ids_TK))
         if self.counts_load:
             self.load_counts[int(decoding)] += count_per_id(ids_TK.reshape(-1), self.n_experts)  # on device, no sync
-        out_TD = self.run_experts(x_TD, weights_TK, ids_TK)
+        shared_TD = None
         if self.shared is not None:
             shared_TD = self.shared(x_TD)
             if self.shared_gate is not None:
                 shared_TD = torch.sigmoid(self.shared_gate(x_TD)) * shared_TD
-            out_TD = out_TD + shared_TD
-        return out_TD
+        if self.shared_partial:  # a slice of the shared expert's width: its part joins the routed experts' sum
+            return self.run_experts(x_TD, weights_TK, ids_TK, shared_TD)
+        out_TD = self.run_experts(x_TD, weights_TK, ids_TK)
+        return out_TD if shared_TD is None else out_TD + shared_TD
 
-    def run_experts(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
-        """The routed tokens through their experts, wherever those live. A rank with no tokens of its own
-        calls this with empty tensors to take part in the exchanges."""
+    def run_experts(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
+                    partial_TD: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed tokens through their experts, wherever those live (`partial_TD`: this rank's part of a split
+        shared expert, added before the sum over the group). A rank with no tokens of its own calls this with empty
+        tensors to take part in the exchanges."""
         rows_ND, counts_El, meta = self.dispatcher.dispatch(x_TD, weights_TK, ids_TK)
         if self.counts_received:  # rows per local expert: on device, or on the host after an all-to-all
             # add_, not +=: `+=` also stores the attribute, which dynamo replays outside a compiled step's graph
             self.received_rows.add_(counts_El.sum() if isinstance(counts_El, torch.Tensor) else sum(counts_El))
         y_ND = self.experts(rows_ND, counts_El)
+        if partial_TD is not None:
+            return self.dispatcher.combine_with(y_ND, meta, partial_TD)
         return self.dispatcher.combine(y_ND, meta)

@@ -120,3 +120,17 @@ def test_scales_that_do_not_fit_their_weight_are_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"tensor .*kv_b_proj.weight_scale_inv is F32 \[2, 1\]; .*kv_b_proj.weight "
                                          r"\[80, 16\] in blocks of 32 need F32 \[3, 1\]"):
         MoEModel.from_pretrained(path)
+
+
+@pytest.mark.multiprocess
+def test_the_shared_expert_splits_over_the_group_that_splits_the_experts(tmp_path):
+    """With every expert split over the ranks that hold the tokens, the shared expert is split the same way and
+    its parts join the routed experts' all-reduce: each rank reads half of it, and the answer stays 1 rank's."""
+    _, path = saved(tmp_path)
+    with MoEModel.from_pretrained(path) as one:
+        logits = one(IDS)
+    with MoEModel.from_pretrained(path, gpus=2, attention="tensor", experts="tensor") as two:
+        assert (two(IDS) - logits).abs().max().item() < 1e-5
+        shapes = two.info.tensors_read
+    name = "model.layers.1.mlp.shared_experts.down_proj.weight"  # [64, 32]: n_shared_experts 1 x width 32
+    assert [s for rank in shapes for s in rank[name]] == [[64, 16], [64, 16]]

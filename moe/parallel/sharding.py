@@ -22,6 +22,7 @@ from moe.parallel.tensor import (
     split_attention,
     split_embedding,
     split_experts,
+    split_shared,
 )
 
 
@@ -47,6 +48,8 @@ def apply_placement(model: Transformer, placement: Placement, rank: int) -> None
             block.ffn_norm = block.feed_forward.gate = None
             block.feed_forward.shared = block.feed_forward.shared_gate = None
         block.feed_forward.counts_load = rank == (group[0] if group else s.leader) or s.attention == "replicated"
+        if rank in group and block.feed_forward.shared is not None and not block.feed_forward.dense:
+            split_shared(model, name, group, rank)
     apply_expert_placement(model, placement, rank)
 
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.basic import Linear
+from models.experts import DenseMLP
 from models.mixture import GroupedExperts, LocalDispatcher, weighted_sum
 from models.transformer import Transformer
 from moe.parallel.distributed import DistContext
@@ -86,6 +87,20 @@ def split_experts(model: Transformer, block: str, group: tuple[int, ...], rank: 
         model.slices |= {prefix + "b1": rows, prefix + "b3": rows}
 
 
+def split_shared(model: Transformer, block: str, group: tuple[int, ...], rank: int) -> None:
+    """A block's shared expert split like its routed ones over the group that holds its tokens and splits every
+    expert: this rank keeps a slice of its width (w1/w3 rows, w2 columns), and its part joins the routed experts'
+    all-reduce, so the group computes it once instead of once per rank."""
+    cfg, ff = model.cfg, model.layers[block].feed_forward
+    f = balanced_slice(cfg.shared_hidden_dim, len(group), group.index(rank))
+    with torch.device("meta"):
+        ff.shared = DenseMLP(cfg.dim, len(f))
+    ff.shared_partial = True
+    prefix = f"layers.{block}.feed_forward.shared."
+    model.slices = slices_of(model) | {prefix + "w1.weight": (0, f.start, f.stop), prefix + "w3.weight": (
+        0, f.start, f.stop), prefix + "w2.weight": (1, f.start, f.stop)}
+
+
 class VocabSlice(nn.Module):
     """Rows `start`.. of the embedding (Megatron's vocabulary-parallel embedding): a token outside them looks up
     zeros, and the group's all-reduce adds the one row each token has, so the sum is the plain lookup exactly."""
@@ -131,3 +146,6 @@ class TensorDispatcher(LocalDispatcher):
 
     def combine(self, y_ND: torch.Tensor, meta) -> torch.Tensor:
         return self.dist.all_reduce(weighted_sum(y_ND, meta), self.ranks)
+
+    def combine_with(self, y_ND: torch.Tensor, meta, partial_TD: torch.Tensor) -> torch.Tensor:
+        return self.dist.all_reduce(weighted_sum(y_ND, meta) + partial_TD, self.ranks)
