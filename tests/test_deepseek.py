@@ -134,3 +134,13 @@ def test_the_shared_expert_splits_over_the_group_that_splits_the_experts(tmp_pat
         shapes = two.info.tensors_read
     name = "model.layers.1.mlp.shared_experts.down_proj.weight"  # [64, 32]: n_shared_experts 1 x width 32
     assert [s for rank in shapes for s in rank[name]] == [[64, 16], [64, 16]]
+
+
+def test_re_sharding_an_fp8_checkpoint_is_refused_in_one_line(tmp_path):
+    from moe.checkpoint.reshard import reshard
+
+    _, path = saved(tmp_path)
+    pack_linear_fp8(path, block=32)
+    with pytest.raises(ValueError, match="stored quantized .FP8 with block scales., which re-sharding does not"):
+        reshard(path, tmp_path / "out", 10_000)
+    assert not (tmp_path / "out").exists()

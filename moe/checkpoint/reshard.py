@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from models.transformer import Transformer
-from moe.checkpoint.encodings import catalog
+from moe.checkpoint.encodings import Derived, catalog
 from moe.checkpoint.files import index_tensors
 from moe.checkpoint.formats import (
     HF,
@@ -92,11 +92,14 @@ def reshard(src: str | Path, out: str | Path, max_shard_bytes: int | None,
     src, out = Path(src), Path(out)
     ckpt = detect(src)
     cfg = ckpt.config
-    tensors = catalog(index_tensors(src, ckpt.weight_files), ckpt.fmt, cfg)
+    tensors = catalog(index_tensors(src, ckpt.weight_files), ckpt.fmt, cfg, fp8_block=ckpt.fp8_block)
     moves = plan_moves(ckpt.fmt, cfg)
     if any("#" in m.dst for m in moves):
         raise ValueError(f"{src}: {cfg.family} keeps each block's experts in one tensor; re-sharding it by expert is "
                          "not supported")
+    if any(isinstance(tensors.get(m.src), Derived) for m in moves):
+        raise ValueError(f"{src}: its weights are stored quantized (FP8 with block scales), which re-sharding does "
+                         "not rewrite; load it and save_pretrained instead (the weights then in the loaded dtype)")
     missing = [m.src for m in moves if m.src not in tensors]
     if missing:
         raise ValueError(f"{src}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
