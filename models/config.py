@@ -97,8 +97,8 @@ class ModelConfig:
             raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window must be positive or null, got {self.sliding_window}")
-        if self.router.startswith("deepseek") and (self.n_experts % self.n_group or not 0 < self.topk_group
-                                                   <= self.n_group):
+        grouped = self.router in ("deepseek_v2_grouped", "deepseek_v3")  # V2's greedy routing ignores the groups
+        if grouped and (self.n_experts % self.n_group or not 0 < self.topk_group <= self.n_group):
             raise ConfigError(f"n_group={self.n_group} must divide the {self.n_experts} experts and topk_group="
                               f"{self.topk_group} lie in 1..n_group")
         if self.router == "deepseek_v3" and self.n_experts // self.n_group < 2:
