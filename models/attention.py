@@ -126,6 +126,13 @@ class AttentionContext:
         """The context of a block that attends fully (`full`) or slides the config's window."""
         return self.full if full and self.full is not None else self
 
+    def explicit_mask(self, seq: int, length: int, device: torch.device) -> torch.Tensor | None:
+        """The mask as a tensor, for attention written out by hand (no library kernel reads `is_causal` there): the
+        context's own, the causal one of a prompt from slot 0 [S, L], or None where every key is visible."""
+        if self.mask is None and self.is_causal:
+            return torch.ones(seq, length, dtype=torch.bool, device=device).tril(length - seq)
+        return self.mask
+
     def rows(self, a: int, b: int) -> AttentionContext:
         """The context of sequences a..b of the batch (a rank's slice of it)."""
         mask = self.mask[a:b] if self.mask is not None and self.mask.shape[0] > 1 else self.mask
@@ -299,7 +306,7 @@ class Attention(nn.Module):
             k, v = cache.update(ctx.start, k, v)  # [B, G, start+S, Dh]
         path = self.choice.attention(S == 1, ctx.is_causal, self.head_dim) if self.choice else kc.SDPA
         if self.sinks is not None:  # no library attention takes sinks: the softmax written out, in fp32
-            out = sink_attention(q, k, v, ctx.mask, ctx.is_causal, self.sinks).to(x_BSD.dtype)
+            out = sink_attention(q, k, v, ctx.explicit_mask(S, k.shape[2], q.device), self.sinks).to(x_BSD.dtype)
         elif S == 1 and path == kc.NATIVE_ATTENTION:  # one query: never causal (`AttentionContext.build`)
             # One query against the cache, in fp32: 31 -> 11 us a block (a bf16 cache: 52 -> 11) for a step of
             # `small` on 256 cache slots, 100 of them filled (torch's SDPA calls a matrix product per head and

@@ -48,13 +48,16 @@ class Glu:
         return self(h[:, :hidden], h[:, hidden:])
 
 
-def row_bias(bias_El: torch.Tensor, counts_El: torch.Tensor, rows: int) -> torch.Tensor:
-    """Each grouped row's expert's bias [rows, W] (rows past the last group get zeros), found on the device by a
-    search of the groups' ends: no host read of the counts."""
+def with_zero_row(bias_El: torch.Tensor | None) -> torch.Tensor | None:
+    """[El + 1, W]: the experts' biases and a row of zeros, for grouped rows past the last group (`row_bias`)."""
+    return None if bias_El is None else torch.cat([bias_El, bias_El.new_zeros(1, bias_El.shape[1])]).detach()
+
+
+def row_bias(padded: torch.Tensor, counts_El: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each grouped row's expert's bias [rows, W] from `with_zero_row`'s table (rows past the last group get zeros),
+    found on the device by a search of the groups' ends: no host read of the counts."""
     ends = counts_El.cumsum(0)
-    expert = torch.searchsorted(ends, torch.arange(rows, device=ends.device), right=True)
-    padded = torch.cat([bias_El, bias_El.new_zeros(1, bias_El.shape[1])])
-    return padded[expert]
+    return padded[torch.searchsorted(ends, torch.arange(rows, device=ends.device), right=True)]
 
 
 class GroupedExperts(nn.Module):
@@ -82,6 +85,9 @@ class GroupedExperts(nn.Module):
         self.scales: tuple[torch.Tensor, torch.Tensor] | None = None
         self.choice: KernelChoice | None = None  # inference: which products run (`KernelChoice.product`)
         self.offsets_on_device = False
+        # Inference: (b1 and b3 side by side, as w13's products come out, and b2), each [El + 1, W] with a zero row
+        # (`with_zero_row`), made once rather than at every step.
+        self.biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
 
     @classmethod
     def of(cls, cfg: ModelConfig, expert_ids: list[int], hidden_dim: int | None = None,
@@ -89,11 +95,6 @@ class GroupedExperts(nn.Module):
         """The experts `expert_ids` of a block of this config (`hidden_dim`: a tensor-parallel slice's width)."""
         return cls(cfg.dim, hidden_dim or cfg.hidden_dim, expert_ids, Glu.of(cfg), cfg.expert_bias,
                    cfg.expert_bias and out_bias)
-
-    @property
-    def b13(self) -> torch.Tensor | None:
-        """b1 and b3 side by side [El, 2F], as w13's products come out."""
-        return None if self.b1 is None else torch.cat([self.b1, self.b3], dim=1)
 
     def forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor | list[int]) -> torch.Tensor:
         """x_ND holds counts_El[0] copies for stacked expert 0, then counts_El[1] for expert 1, ...
@@ -111,31 +112,37 @@ class GroupedExperts(nn.Module):
         training = torch.is_grad_enabled() and self.w1.requires_grad
         # unbind: one view per expert, whose backward stacks the gradients once (indexing would zero-fill)
         stacks = list(zip(self.w1.unbind(0), self.w2.unbind(0), self.w3.unbind(0), strict=True)) if training else None
-        b13, outs, start = self.b13, [], 0
+        outs, start = [], 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue  # an expert that got no token does not run
-            x = x_ND[start:start + n]
-            if self.kernels is not None:
-                w13, w2 = self.kernels[e]
-                h = w13(x) if b13 is None else w13(x) + b13[e]
-                y = w2(self.glu.halves(h))
-            else:  # index only the experts that run
-                w1, w2, w3 = stacks[e] if stacks else (self.w1[e], self.w2[e], self.w3[e])
-                gate, up = F.linear(x, w1), F.linear(x, w3)
-                if self.b1 is not None:
-                    gate, up = gate + self.b1[e], up + self.b3[e]
-                y = F.linear(self.glu(gate, up), w2)
-            outs.append(y if self.b2 is None else y + self.b2[e])
+            outs.append(self.one_expert(e, x_ND[start:start + n], stacks))
             start += n
         # Concatenating (not writing into slices of a buffer) keeps the backward pass free of zero-filled copies.
         return torch.cat(outs) if outs else x_ND.new_empty((0, self.w2.shape[1]))
+
+    def one_expert(self, e: int, x: torch.Tensor, stacks: list | None) -> torch.Tensor:
+        """Stacked expert `e` on its rows `x`: through its inference kernels, else its weights (the unbound views
+        `stacks` while training; indexing only the experts that run)."""
+        if self.kernels is not None:
+            (w13, w2), (b13, b2) = self.kernels[e], self.biases
+            h = w13(x) if b13 is None else w13(x) + b13[e]
+            y = w2(self.glu.halves(h))
+            return y if b2 is None else y + b2[e]
+        w1, w2, w3 = stacks[e] if stacks else (self.w1[e], self.w2[e], self.w3[e])
+        gate, up = F.linear(x, w1), F.linear(x, w3)
+        if self.b1 is not None:
+            gate, up = gate + self.b1[e], up + self.b3[e]
+        y = F.linear(self.glu(gate, up), w2)
+        return y if self.b2 is None else y + self.b2[e]
 
     def prepare_weights(self, choice: KernelChoice) -> None:
         """For inference: each expert's w1/w3 fused and w2, in their fastest format; the stacks keep shapes."""
         if self.kernels is not None or self.w1.is_meta:
             return
         self.choice = choice
+        if self.b1 is not None:
+            self.biases = (with_zero_row(torch.cat([self.b1, self.b3], dim=1)), with_zero_row(self.b2))
         fmt = weights.format_for(self.w1, choice)
         w1, w2, w3 = self.w1.detach(), self.w2.detach(), self.w3.detach()
         experts = range(len(self.expert_ids))
@@ -163,24 +170,25 @@ class GroupedExperts(nn.Module):
         for name in ("w1", "w2", "w3"):
             setattr(self, name, weights.shape_only(getattr(self, name)))
 
-    def _biased(self, y_NW: torch.Tensor, bias_El: torch.Tensor | None, counts_El: torch.Tensor) -> torch.Tensor:
-        return y_NW if bias_El is None else y_NW + row_bias(bias_El, counts_El, y_NW.shape[0])
+    @staticmethod
+    def _biased(y_NW: torch.Tensor, padded: torch.Tensor | None, counts_El: torch.Tensor) -> torch.Tensor:
+        return y_NW if padded is None else y_NW + row_bias(padded, counts_El, y_NW.shape[0])
 
     def streamed_forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor, product) -> torch.Tensor:
         """All local experts in two calls of the native decode kernel (`product`; prompts: `native.prompt_grouped`;
         int8: the same bits per row), which reads the counts itself and only the weights of experts that got rows.
         Rows past the last group come out as zeros."""
-        (w13, w2), (s13, s2) = self.stacks, self.scales or (None, None)
-        h = self._biased(product(x_ND, w13, counts_El, s13), self.b13, counts_El)
-        return self._biased(product(self.glu.halves(h), w2, counts_El, s2), self.b2, counts_El)
+        (w13, w2), (s13, s2), (b13, b2) = self.stacks, self.scales or (None, None), self.biases
+        h = self._biased(product(x_ND, w13, counts_El, s13), b13, counts_El)
+        return self._biased(product(self.glu.halves(h), w2, counts_El, s2), b2, counts_El)
 
     def grouped(self, x_ND: torch.Tensor, counts_El: torch.Tensor) -> torch.Tensor:
         """All local experts in two grouped products whose group offsets stay on the device. Rows past the
         last offset (copies for no expert here, sorted last by the gathering dispatcher) come out as zeros."""
-        w13, w2 = self.stacks
+        (w13, w2), (b13, b2) = self.stacks, self.biases
         offsets = counts_El.cumsum(0).to(torch.int32)
-        h = self._biased(torch._grouped_mm(x_ND, w13.transpose(1, 2), offs=offsets), self.b13, counts_El)
-        y = self._biased(torch._grouped_mm(self.glu.halves(h), w2.transpose(1, 2), offs=offsets), self.b2, counts_El)
+        h = self._biased(torch._grouped_mm(x_ND, w13.transpose(1, 2), offs=offsets), b13, counts_El)
+        y = self._biased(torch._grouped_mm(self.glu.halves(h), w2.transpose(1, 2), offs=offsets), b2, counts_El)
         computed = torch.arange(x_ND.shape[0], device=x_ND.device) < offsets[-1]
         return torch.where(computed[:, None], y, 0)  # rows _grouped_mm did not write hold whatever memory held
 

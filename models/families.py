@@ -8,8 +8,9 @@ never ignored. The references are transformers' modeling files of each family (`
 
 from __future__ import annotations
 
-import math
 from typing import Any
+
+from models.rope import parse_rope, yarn_mscale
 
 # model_type -> the architectures names that say it, for configs without a model_type
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM",
@@ -17,7 +18,6 @@ ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "mistral": "MistralForCausalLM
                  "granitemoe": "GraniteMoeForCausalLM", "phimoe": "PhimoeForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                  "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
-NOT_YET: dict[str, str] = {}
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
@@ -31,11 +31,8 @@ def family_of(cfg: dict[str, Any]) -> str:
     kind = cfg.get("model_type")
     names = {v: k for k, v in ARCHITECTURES.items()}
     known = next((names[a] for a in cfg.get("architectures") or [] if a in names), None)
-    if kind is None or (kind not in ARCHITECTURES and kind not in NOT_YET and known is not None):
+    if kind is None or (kind not in ARCHITECTURES and known is not None):
         kind = known or "mixtral"
-    if kind in NOT_YET:
-        raise FamilyError(f"config.json's model_type {kind!r} needs {NOT_YET[kind]}, which this version does not "
-                          f"run; supported: {', '.join(ARCHITECTURES)}")
     if kind not in ARCHITECTURES:
         raise FamilyError(f"config.json's model_type {kind!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
     return kind
@@ -111,11 +108,9 @@ def _deepseek(cfg: dict[str, Any], family: str) -> dict[str, Any]:
     if cfg.get("attention_bias"):
         raise FamilyError("config.json's attention_bias is not supported for multi-head latent attention")
     nope, rope = cfg.get("qk_nope_head_dim", 128), cfg.get("qk_rope_head_dim", 64)
-    scale = (nope + rope) ** -0.5
-    rope_cfg = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if rope_cfg.get("rope_type", rope_cfg.get("type", "default")) != "default" and rope_cfg.get("mscale_all_dim"):
-        factor = rope_cfg["factor"]
-        scale *= (0.1 * rope_cfg["mscale_all_dim"] * math.log(factor) + 1.0) ** 2 if factor > 1 else 1.0
+    scaling = parse_rope(cfg)[1]  # yarn's mscale_all_dim enters the softmax scale, squared, as the reference has it
+    scale = (nope + rope) ** -0.5 * (yarn_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
+                                     if scaling.kind != "default" and scaling.mscale_all_dim else 1.0)
     if family == "deepseek_v3":
         router = {"router": "deepseek_v3", "score_bias": True, "norm_topk_prob": bool(cfg.get("norm_topk_prob", True))}
     elif (cfg.get("topk_method") or "greedy") == "greedy":

@@ -26,7 +26,9 @@ from models.norms import RMSNorm
 
 
 class LatentAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
+    n_kv_heads = 1  # one latent and rotary key per token, whatever the heads (`KVCache.of`)
+
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.nope, self.rope, self.v_dim = cfg.n_heads, cfg.qk_nope_dim, cfg.head_dim, cfg.v_head_dim
         self.latent_dim, self.scale = cfg.kv_lora_rank, cfg.attention_scale
@@ -41,7 +43,6 @@ class LatentAttention(nn.Module):
         self.wkv_b = Linear(self.latent_dim, cfg.n_heads * (self.nope + self.v_dim))
         self.wo = Linear(cfg.n_heads * self.v_dim, cfg.dim)
         self.form = "auto"  # "expanded" or "absorbed" for every call (tests); "auto": as the module docstring says
-        self.full = False  # every earlier position (no window)
 
     def prepare_weights(self, choice: KernelChoice) -> None:
         """Keep W_UK and W_UV as plain per-head tensors too (made once: small beside the model), for the absorbed
@@ -96,9 +97,7 @@ class LatentAttention(nn.Module):
         q_latent = (per_head @ w_uk.to(dtype)).view(H, B, S, -1).permute(1, 0, 2, 3).reshape(B, 1, H * S, -1)
         scores = q_latent @ latent.transpose(2, 3) + q_rope.reshape(B, 1, H * S, -1) @ k_rope.transpose(2, 3)
         scores = scores.float().view(B, H, S, L) * self.scale
-        mask = ctx.mask
-        if mask is None and ctx.is_causal:
-            mask = torch.ones(S, L, dtype=torch.bool, device=scores.device).tril(L - S)
+        mask = ctx.explicit_mask(S, L, scores.device)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(dtype).view(B, 1, H * S, L)

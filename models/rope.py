@@ -148,14 +148,16 @@ def _longrope(theta: float, head_dim: int, factors: tuple[float, ...], device) -
     return 1.0 / (torch.tensor(factors, dtype=torch.float32, device=device) * theta ** shape)
 
 
-def _yarn(theta: float, head_dim: int, s: RopeScaling, device) -> tuple[torch.Tensor, float]:
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """yarn's magnitude factor for a context `scale` times the original (DeepSeek's softmax scale takes it too)."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
+
+def _yarn(theta: float, head_dim: int, s: RopeScaling, device) -> tuple[torch.Tensor, float]:
     attention = s.attention_factor
     if attention is None:
-        attention = mscale(s.factor, s.mscale) / mscale(s.factor, s.mscale_all_dim) \
-            if s.mscale and s.mscale_all_dim else mscale(s.factor)
+        attention = yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim) \
+            if s.mscale and s.mscale_all_dim else yarn_mscale(s.factor)
 
     def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over the original context
         return head_dim * math.log(s.original_max / (rotations * 2 * math.pi)) / (2 * math.log(theta))

@@ -10,18 +10,15 @@ from __future__ import annotations
 import torch
 
 
-def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                    sinks: torch.Tensor) -> torch.Tensor:
-    """softmax([q k^T / sqrt(Dh), sink]) without the sink's column, times v: [B, H, S, Dh] in fp32. `mask`
-    ([B or 1, 1, S, L] bool, True = may attend) or, without one, causal (`is_causal`, a prompt from slot 0) or
-    every key visible."""
+    """softmax([q k^T / sqrt(Dh), sink]) without the sink's column, times v: [B, H, S, Dh] in fp32. `mask`: bool,
+    True = may attend, broadcast over [B, H, S, L] (`AttentionContext.explicit_mask`); None: every key visible."""
     B, H, S, Dh = q.shape
     G, L = k.shape[1], k.shape[2]
     q, k, v = q.float(), k.float(), v.float()
     # the R = H/G query heads of a kv head side by side, so one product per kv head serves them all
     scores = (q.view(B, G, H // G * S, Dh) @ k.transpose(2, 3)).view(B, H, S, L) * Dh ** -0.5
-    if mask is None and is_causal:
-        mask = torch.ones(S, L, dtype=torch.bool, device=q.device).tril(L - S)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     sink = sinks.float().view(1, H, 1, 1).expand(B, H, S, 1)

@@ -21,7 +21,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.attention_norm = make_norm(cfg, cfg.dim)
-        self.attention = LatentAttention(cfg, index) if cfg.latent else Attention(cfg, index)
+        self.attention = LatentAttention(cfg) if cfg.latent else Attention(cfg, index)
         self.ffn_norm = make_norm(cfg, cfg.dim)
         self.feed_forward = MoEFeedForward(cfg, dense=index in cfg.dense_layers)
         self.residual = cfg.residual_multiplier  # GraniteMoE scales each branch before adding it

@@ -6,7 +6,20 @@ started here need a POSIX system (`rank_processes_refusal`); elsewhere each answ
 from __future__ import annotations
 
 import os
+import platform
 import sys
+from pathlib import Path
+
+
+def cpu_name() -> str:
+    """The CPU's model name (for benchmark tables: a figure holds only on the machine it names) and the cores seen."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores visible)"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def usable_cores() -> int:

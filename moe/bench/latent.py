@@ -11,7 +11,6 @@ is the time from the first new token to the last over the tokens between, the me
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import tempfile
 import time
@@ -21,13 +20,7 @@ import torch
 
 from moe.api import MoEModel
 from moe.bench.sizes import SIZES, write_sized_checkpoint
-
-
-def cpu_name() -> str:
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
+from moe.host import cpu_name
 
 
 def decode_ms(model: MoEModel, prompt: list[int], new: int, repeats: int) -> float:

@@ -79,17 +79,19 @@ def pack_linear_fp8(directory: Path, block: int = 128) -> Path:
     """Rewrite a checkpoint's linear weights as DeepSeek-V3 ships them: `X.weight` float8_e4m3fn with
     `X.weight_scale_inv` [ceil(out/block), ceil(in/block)] fp32 (each block's largest magnitude / 448), and
     config.json's quantization_config saying so. Embeddings, the head, norms and routers stay as they are."""
+    added = {}
     for path in sorted(directory.glob("*.safetensors")):
         tensors = load_file(path)
         for name in [n for n in tensors if n.endswith(".weight") and tensors[n].dim() == 2
                      and ".layers." in n and not any(s in n for s in FP8_SKIPPED)]:
             tensors[name], tensors[name + "_scale_inv"] = quantize_fp8(tensors[name], block)
+            added[name + "_scale_inv"] = path.name
         save_file(tensors, path, metadata={"format": "pt"})
-        index = directory / HF_INDEX
-        if index.exists():
-            data = json.loads(index.read_text())
-            data["weight_map"] |= {n: path.name for n in tensors if n.endswith("_scale_inv")}
-            index.write_text(json.dumps(data, indent=2))
+    index = directory / HF_INDEX
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] |= added
+        index.write_text(json.dumps(data, indent=2))
     config = json.loads((directory / "config.json").read_text())
     quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [block] * 2}
     (directory / "config.json").write_text(json.dumps(config | {"quantization_config": quant}, indent=2))

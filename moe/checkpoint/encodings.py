@@ -46,9 +46,10 @@ def sub_info(info: TensorInfo, index: int, shape: tuple[int, ...]) -> TensorInfo
 
 
 def box_ranges(info: TensorInfo, rows: Span, cols: Span | None) -> list[tuple[int, int]]:
-    """(offset, bytes) of rows r0..r1 and columns c0..c1 of a 2-D tensor (of a 1-D one: its elements r0..r1)."""
+    """(offset, bytes) of rows r0..r1 of a tensor (a row: all its other dims; of a 1-D one, an element), and of only
+    columns c0..c1 of them where `cols` is given (a 2-D tensor: one range per row)."""
     item = info.nbytes // max(1, math.prod(info.shape))
-    width = info.shape[1] if len(info.shape) > 1 else 1
+    width = math.prod(info.shape[1:])
     (r0, r1), (c0, c1) = rows, cols or (0, width)
     if c0 == 0 and c1 == width:
         return [(info.offset + r0 * width * item, (r1 - r0) * width * item)]

@@ -8,7 +8,6 @@ and assign them. A rank never touches the bytes of blocks or experts it does not
 from __future__ import annotations
 
 import ctypes
-import math
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -18,7 +17,7 @@ import torch
 from torch import nn
 
 from models.weights import INT8
-from moe.checkpoint.encodings import SAFETENSORS_DTYPES, Derived, catalog
+from moe.checkpoint.encodings import SAFETENSORS_DTYPES, Derived, box_ranges, catalog
 from moe.checkpoint.files import CheckpointError, TensorInfo, index_tensors
 from moe.checkpoint.formats import (
     CheckpointFormat,
@@ -204,13 +203,10 @@ def byte_ranges(info: TensorInfo, part: tuple[int, int, int] | None) -> list[tup
     if part is None:
         return [(info.offset, info.nbytes)]
     dim, start, stop = part
-    shape, item = list(info.shape), info.nbytes // max(1, math.prod(info.shape))
     if dim == 0:
-        row = math.prod(shape[1:]) * item
-        return [(info.offset + start * row, (stop - start) * row)]
-    assert dim == 1 and len(shape) == 2, (dim, shape)
-    row = shape[1] * item
-    return [(info.offset + r * row + start * item, (stop - start) * item) for r in range(shape[0])]
+        return box_ranges(info, (start, stop), None)
+    assert dim == 1 and len(info.shape) == 2, (dim, info.shape)
+    return box_ranges(info, (0, info.shape[0]), (start, stop))
 
 
 def needed_sources(model: nn.Module, fmt: str, cfg) -> dict[str, list[str]]:

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -47,21 +45,12 @@ from moe.bench.speed import (
 )
 from moe.checkpoint.loader import activation_dtype
 from moe.cli.common import run_command
+from moe.host import cpu_name
 
 # A sized random checkpoint has no tokenizer; llama.cpp's converter needs one (its vocabulary is padded to the model's).
 BENCH_TOKENIZER = Path(__file__).resolve().parents[2] / "weights" / "tiny-moe-austen-bbe" / "tokenizer.model"
 ELEMENT_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}  # bytes per linear weight
 IN_TURNS_ROUNDS = 8  # N ranks: rounds of batch-1 decode steps with every layout loaded at once (moe.bench.in_turns)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores visible)"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def run_case(args: argparse.Namespace, impl: str, gpus: int, path: Path, strategy: str | None = None) -> dict | None:

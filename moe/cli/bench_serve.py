@@ -88,7 +88,8 @@ def bench(args: argparse.Namespace) -> int:
     import random
 
     from moe.bench.sizes import write_sized_checkpoint
-    from moe.cli.bench import BENCH_TOKENIZER, cpu_name
+    from moe.cli.bench import BENCH_TOKENIZER
+    from moe.host import cpu_name
     from moe.tokenizer import SentencePieceTokenizer
 
     vocab = SentencePieceTokenizer(BENCH_TOKENIZER).vocab_size

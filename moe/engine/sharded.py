@@ -60,8 +60,7 @@ class ShardedEngine:
     # -- stepping (moe.generation.Stepper) ---------------------------------------------------------
     def start(self, batch: int, length: int, pad_B: torch.Tensor) -> None:
         cfg = self.model.cfg
-        kv_heads = {str(i): getattr(self.model.layers[str(i)].attention, "n_kv_heads", 1)  # this rank's
-                    for i in self.my_blocks}
+        kv_heads = {str(i): self.model.layers[str(i)].attention.n_kv_heads for i in self.my_blocks}  # this rank's
         a, b = self._bounds(batch)[self.rank]  # a replicated block caches this rank's slice of the batch only
         rows = {name: b - a if self.placement.strategy(int(name)).attention == "replicated" else batch
                 for name in kv_heads}
