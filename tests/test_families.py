@@ -133,6 +133,22 @@ def test_a_save_loads_in_transformers_as_its_family(family, tmp_path):
         assert torch.equal(again(ids).logits, hf(ids).logits)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name, layout", [("granitemoe", dict(gpus=2)), ("gpt_oss", dict(gpus=3)),
+                                          ("granitemoe", dict(gpus=2, experts="tensor"))])
+def test_a_save_from_n_ranks_of_3d_expert_tensors_loads_in_transformers(name, layout, tmp_path):
+    """Each block's experts are one Hub tensor that no rank holds whole: a holder gathers and writes it."""
+    transformers = pytest.importorskip("transformers")
+    hf = hf_family(name)
+    hf.save_pretrained(tmp_path / "hf")
+    with MoEModel.from_pretrained(tmp_path / "hf", **layout) as model:
+        model.save_pretrained(tmp_path / "saved")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, hf(ids).logits)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt_oss", "deepseek_v3"])
 def test_the_compiled_decode_step_gives_the_eager_tokens(name, tmp_path):

@@ -8,6 +8,7 @@ and renames the directory into place, so an interrupted save leaves no valid-loo
 
 from __future__ import annotations
 
+import itertools
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 from models.config import ModelConfig
 from moe.checkpoint.encodings import restack
 from moe.checkpoint.files import CheckpointError
-from moe.checkpoint.formats import HF, is_stacked_expert, name_map
+from moe.checkpoint.formats import EXPERT_PARAMS, HF, is_stacked_expert
 from moe.checkpoint.slices import reassemble
 from moe.checkpoint.writer import (
     dtype_name,
@@ -40,7 +41,7 @@ def stacked_expert_ids(model: torch.nn.Module) -> dict[str, list[int]]:
     ids = {}
     for name, module in model.named_modules():
         if hasattr(module, "expert_ids"):
-            for w in ("w1", "w2", "w3"):
+            for w in EXPERT_PARAMS:
                 ids[f"{name}.{w}"] = list(module.expert_ids)
     return ids
 
@@ -72,8 +73,8 @@ def dense_external(model: torch.nn.Module, cfg: ModelConfig, names: list[str],
                    plan: SavePlan) -> dict[str, torch.Tensor]:
     """The external tensors `names`, dense: each of our tensors they come from is made dense once (or taken whole
     from the reassembled slices)."""
-    wanted, out = set(names), {}
-    for ours in dict.fromkeys(plan.source[n] for n in names):
+    wanted, out = set(names), {n: plan.received[n] for n in names if n in plan.received}
+    for ours in dict.fromkeys(plan.source[n] for n in names if n not in plan.received):
         t = plan.whole[ours] if ours in plan.whole else dense_tensor(model, ours)
         external = to_external({ours: t}, cfg, HF, plan.expert_ids)
         out.update((n, t) for n, t in external.items() if n in wanted)
@@ -90,6 +91,7 @@ class SavePlan:
     expert_ids: dict[str, list[int]]
     dtype: str | None  # of our tensors (None when this rank holds none)
     whole: dict[str, torch.Tensor]  # split parameters this rank reassembled and writes (moe.checkpoint.slices)
+    received: dict[str, torch.Tensor]  # other ranks' experts of a 3-D expert tensor this rank writes
 
 
 def plan_save(model: torch.nn.Module, cfg: ModelConfig, ctx: DistContext) -> SavePlan:
@@ -108,8 +110,48 @@ def plan_save(model: torch.nn.Module, cfg: ModelConfig, ctx: DistContext) -> Sav
     for rank, names in enumerate(ctx.all_gather_object(sorted(tensors))):
         for n in names:
             first_holder.setdefault(n, rank)
-    mine = {n: t for n, t in tensors.items() if first_holder[n] == ctx.rank}
-    return SavePlan(mine, source, expert_ids, dtype_name(tensors) if tensors else None, whole)
+    writer = _stacked_writers(first_holder)
+    mine = {n: t for n, t in tensors.items() if writer.get(n, first_holder[n]) == ctx.rank}
+    plan = SavePlan(mine, source, expert_ids, dtype_name(tensors) if tensors else None, whole, {})
+    _gather_stacked(model, cfg, ctx, plan, tensors, first_holder, writer)
+    return plan
+
+
+def _stacked_writers(first_holder: dict[str, int]) -> dict[str, int]:
+    """The rank writing each external piece of a 3-D expert tensor (`name#e:...`) whose experts several ranks hold:
+    one of its holders, round-robin over such tensors so that no rank gathers much more than its share."""
+    holders: dict[str, set[int]] = {}
+    for n, rank in first_holder.items():
+        if "#" in n:
+            holders.setdefault(n.partition("#")[0], set()).add(rank)
+    spread = sorted(base for base, ranks in holders.items() if len(ranks) > 1)
+    chosen = {base: sorted(holders[base])[i % len(holders[base])] for i, base in enumerate(spread)}
+    return {n: chosen[n.partition("#")[0]] for n in first_holder if n.partition("#")[0] in chosen}
+
+
+def _gather_stacked(model: torch.nn.Module, cfg: ModelConfig, ctx: DistContext, plan: SavePlan,
+                    tensors: dict[str, torch.Tensor], first_holder: dict[str, int], writer: dict[str, int]) -> None:
+    """Collective: each expert piece of a spread 3-D tensor is sent, dense, from its holder to the tensor's writer,
+    every rank walking the pieces in one order (by holder, then our tensor they come from, which each holder makes
+    dense once). The writer holds what it received until it writes it: about its share of those tensors again."""
+    moving = [n for n, w in writer.items() if first_holder[n] != w]
+    mine = {n: (tuple(tensors[n].shape), tensors[n].dtype, plan.source[n]) for n in moving
+            if first_holder[n] == ctx.rank}
+    meta = {n: m for theirs in ctx.all_gather_object(mine) for n, m in theirs.items()}
+    order = sorted(meta, key=lambda n: (first_holder[n], meta[n][2], n))
+    with torch.no_grad():
+        for _, group in itertools.groupby(order, key=lambda n: (first_holder[n], meta[n][2])):
+            names = list(group)
+            if first_holder[names[0]] == ctx.rank:
+                dense = dense_external(model, cfg, names, plan)
+                for n in names:
+                    ctx.send(dense[n].to(meta[n][1]).contiguous().to(ctx.device), writer[n])
+                continue
+            for n in names:
+                if writer[n] == ctx.rank:
+                    shape, dtype, _ = meta[n]
+                    plan.received[n] = ctx.recv(shape, dtype, first_holder[n]).cpu()
+                    plan.mine[n] = torch.empty(shape, dtype=dtype, device="meta")
 
 
 def shared_partial_dir(out_dir: Path, ctx: DistContext) -> Path:
@@ -136,9 +178,6 @@ def save_distributed(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Pa
     Files are planned from names and shapes alone; each file's tensors are made dense (unpacked, copied off
     the GPU) just before it is written, so saving needs little memory beyond the model."""
     out_dir = Path(out_dir)
-    if ctx.world_size > 1 and any("#" in t for t in name_map(HF, cfg).values()):  # before any collective
-        raise CheckpointError(f"{cfg.family} keeps each block's experts in one tensor, which no rank holds whole: "
-                              "save from one process (gpus=1)")
     plan = plan_save(model, cfg, ctx)
     tmp = shared_partial_dir(out_dir, ctx)
     members: dict[str, list[str]] = {}  # each tensor written, and the external tensors it is made of
