@@ -55,7 +55,7 @@ class MoEModel:
                         blocks_per_rank: list[int] | None = None, master_port: int | None = None,
                         threads: int | None = None, progress: bool = False, attention: str = "layer",
                         cpu_kernels: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
-                        exchange: str = "auto", compile: bool = False, experts: str = "expert") -> MoEModel:
+                        exchange: str = "auto", compile: bool | str | None = None, experts: str = "expert") -> MoEModel:
         """Load a Hugging Face or Mistral consolidated directory.
 
         `device`: "auto" (CUDA with a GPU for every rank, CPU with none; else an error), "cuda", "cpu", "cuda:N".
@@ -74,9 +74,9 @@ class MoEModel:
         (every expert on its block's owner: a pipeline of whole blocks, with attention "layer").
         `cpu_kernels`: `models.kernels.choice.CPU_KERNELS_HELP` says what each choice runs (that object decides;
         `info.kernels` says what runs). `dtype="int8"`: int8 weights quantized at load, bf16 activations.
-        `compile=True` runs decode steps through `torch.compile`, every shape static (`moe.engine.compiled`; a CUDA
-        graph on GPUs): each batch size compiles once (tens of seconds on a CPU). On N ranks it needs replicated
-        attention or experts "layer" (`moe.engine.layouts`).
+        `compile`: one CPU rank runs decode steps through a package compiled ahead of time (`moe.engine.ahead`)
+        where one is cached (None), after building a missing one (True), or never (False). "torch", and True where
+        no package runs (N ranks, CUDA), compiles them with `torch.compile` (`moe.engine.compiled`, `.layouts`).
         `exchange` (N ranks): "auto" gathers a step's few rows to every rank (two collectives per block, no sizes
         on the host) for decode and exchanges them by all-to-all for prefill; "gather" or "all-to-all" forces one.
         """
@@ -86,6 +86,7 @@ class MoEModel:
         defaults = read_generation_config(path, list(cfg.eos_ids) or cfg.eos_id)
         dtype_name = parse_precision(dtype, ckpt.torch_dtype)
         check_options(gpus, cpu_kernels, attention, experts, exchange, compile, threads)
+        ranks_compile = compile in (True, "torch")  # N ranks: torch.compile or nothing
         base = dict(format=ckpt.fmt, dtype=dtype_name, cpu_kernels=cpu_kernels, attention=attention, experts=experts,
                     exchange=exchange)
         joined = from_torchrun(device, timeout_s)
@@ -93,7 +94,7 @@ class MoEModel:
             torch.set_num_threads(threads)  # this process is the rank: `threads` is its own pool
         if joined is not None:
             model = cls._join_torchrun(path, cfg, tokenizer, base, *joined, gpus, placement, blocks_per_rank,
-                                       progress, compile)
+                                       progress, ranks_compile)
         else:
             kind = ranks_device(device, gpus)
             if kind == "cpu" and cpu_kernels == "auto":
@@ -103,23 +104,23 @@ class MoEModel:
                                        progress, compile)
             else:
                 plan = resolve_placement(placement, cfg, gpus, blocks_per_rank, attention, experts)
-                compilable_plan(plan, compile, exchange)  # refused before any rank starts (load_shard checks too)
+                compilable_plan(plan, ranks_compile, exchange)  # refused before any rank starts (load_shard too)
                 spec = ShardSpec(str(path), dtype_name, plan.to_json(), progress, cpu_kernels, kind, timeout_s,
-                                 exchange, compile)
+                                 exchange, ranks_compile)
                 model = cls._start_ranks(spec, cfg, tokenizer, base, gpus, plan, master_port, threads)
         model.generation_defaults = defaults
         return model
 
     @classmethod
-    def _load_here(cls, path, cfg, tokenizer, base: dict, device: str, progress: bool, compile: bool) -> MoEModel:
+    def _load_here(cls, path, cfg, tokenizer, base: dict, device: str, progress: bool, compile) -> MoEModel:
         baseline = peak_memory_mib(device)
         model, _, stats = build_model(path, base["dtype"], device, progress=Progress.for_loading(progress),
                                       kernels=base["cpu_kernels"])
         report = load_report(model, stats, baseline, torch.device(device), "none")
         engine = LocalEngine(model, compile)
         engine.checkpoint_dir = str(path)
-        return cls(engine, cfg, tokenizer,
-                   announce(ModelInfo.from_reports(base, [report], launch="local", compiled=compile)))
+        info = ModelInfo.from_reports(base, [report], launch="local", compiled=compile in (True, "torch"))
+        return cls(engine, cfg, tokenizer, announce(info))
 
     @classmethod
     def _start_ranks(cls, spec: ShardSpec, cfg, tokenizer, base: dict, gpus: int, plan: Placement,

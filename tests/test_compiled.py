@@ -1,6 +1,7 @@
-"""`compile=True`: decode steps through torch.compile with static shapes give the eager tokens, reuse their
-graph and cache from one request to the next, and are refused where they do not run (oneDNN-packed weights; on
-N ranks, tests/test_compiled_ranks.py)."""
+"""`compile="torch"` (what `compile=True` runs where a package compiled ahead of time cannot: N ranks,
+tests/test_compiled_ranks.py; CUDA): decode steps through torch.compile with static shapes give the eager tokens,
+reuse their graph and cache from one request to the next, and are refused where they do not run (oneDNN-packed
+weights). The packages: tests/test_ahead.py."""
 
 from __future__ import annotations
 
@@ -14,11 +15,15 @@ pytestmark = pytest.mark.slow  # the first step compiles (tens of seconds on a C
 PROMPTS = [[1, 45, 312, 9, 77], [1, 8, 8]]  # different lengths: left padding in the compiled step
 
 
+def load(path, compile: bool = False) -> MoEModel:
+    return MoEModel.from_pretrained(path, compile="torch" if compile else False)
+
+
 def test_compiled_decode_gives_the_eager_tokens_and_compiles_once():
     from torch._dynamo.utils import counters
 
-    eager = MoEModel.from_pretrained(TRAINED)
-    compiled = MoEModel.from_pretrained(TRAINED, compile=True)
+    eager = load(TRAINED)
+    compiled = load(TRAINED, compile=True)
     assert compiled.info.compiled and not eager.info.compiled
     want = eager.generate(PROMPTS, max_new_tokens=24, ignore_eos=True)
     assert compiled.generate(PROMPTS, max_new_tokens=24, ignore_eos=True) == want
@@ -38,8 +43,8 @@ def test_steps_that_skip_the_guards_still_run_their_own_graph():
     """After its first call a signature runs with only the guards that tell graphs apart (moe.engine.compiled):
     batch sizes, padding, a routing mode and a model of other shapes, taken in turns, each give the eager
     tokens."""
-    eager, compiled = MoEModel.from_pretrained(TRAINED), MoEModel.from_pretrained(TRAINED, compile=True)
-    other_eager, other = MoEModel.from_pretrained(SHIPPED), MoEModel.from_pretrained(SHIPPED, compile=True)
+    eager, compiled = load(TRAINED), load(TRAINED, compile=True)
+    other_eager, other = load(SHIPPED), load(SHIPPED, compile=True)
     one = [[1, 45, 312, 9]]  # batch 1, no padding
 
     def same(model, reference, prompts):
@@ -59,7 +64,7 @@ def test_steps_that_skip_the_guards_still_run_their_own_graph():
 def test_a_direct_call_gives_dynamos_logits_and_cache_writes():
     """Later steps of a signature call its compiled graph without dynamo (moe.engine.compiled): the same logits
     and the same keys and values written as the call through dynamo."""
-    model = MoEModel.from_pretrained(TRAINED, compile=True)
+    model = load(TRAINED, compile=True)
     model.generate([[1, 45, 312, 9]], max_new_tokens=4, ignore_eos=True)
     step = model.engine.compiled
     (key,) = step.direct
@@ -81,7 +86,7 @@ def test_cache_lengths_in_turns_each_run_their_own_graph():
     """A long request needs a longer cache (another graph); a short one after it gets a new short cache and the
     short graph again, which must take that cache as an input (a step that had frozen its first cache into its
     graph recompiled here and failed under the skipped guards)."""
-    eager, compiled = MoEModel.from_pretrained(TRAINED), MoEModel.from_pretrained(TRAINED, compile=True)
+    eager, compiled = load(TRAINED), load(TRAINED, compile=True)
     one = [[1, 45, 312, 9]]
     for new in (8, 300, 8, 300):  # caches of 256, 512, 256, 512 slots
         assert compiled.generate(one, max_new_tokens=new, ignore_eos=True) == \
@@ -95,7 +100,7 @@ def test_requests_under_inference_mode_or_no_grad_reuse_the_graph():
     inference tensor used to need another graph, which the skipped guards refused with a RuntimeError)."""
     from torch._dynamo.utils import counters
 
-    eager, compiled = MoEModel.from_pretrained(TRAINED), MoEModel.from_pretrained(TRAINED, compile=True)
+    eager, compiled = load(TRAINED), load(TRAINED, compile=True)
     want = eager.generate(PROMPTS, max_new_tokens=8, ignore_eos=True)
     assert compiled.generate(PROMPTS, max_new_tokens=8, ignore_eos=True) == want
     graphs = counters["stats"]["unique_graphs"]
@@ -109,5 +114,5 @@ def test_requests_under_inference_mode_or_no_grad_reuse_the_graph():
 def test_compile_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="cannot trace oneDNN-packed weights"):
         MoEModel.from_pretrained(TRAINED, compile=True, cpu_kernels="onednn")
-    with pytest.raises(ValueError, match="compile must be True or False"):
+    with pytest.raises(ValueError, match="compile must be None, True, False or 'torch'"):
         MoEModel.from_pretrained(TRAINED, compile="yes")

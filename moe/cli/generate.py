@@ -68,10 +68,13 @@ def parser() -> argparse.ArgumentParser:
                     help="how token copies reach the experts' ranks: auto (default) gathers a decode step's few rows "
                          "to every rank (2 collectives per block) and uses all-to-all for prompts; or force one")
     ap.add_argument("--cpu-kernels", choices=KERNELS, default="auto", help=CPU_KERNELS_HELP)
-    ap.add_argument("--compile", action="store_true",
-                    help="run decode steps through torch.compile with static shapes (a CUDA graph on GPUs); the first "
-                         "step compiles (tens of seconds on a CPU); on N ranks with --attention replicated, the steps "
-                         "of a batch smaller than the ranks, or with --experts layer, each rank's range of blocks")
+    ap.add_argument("--compile", dest="compile", action="store_const", const=True, default=None,
+                    help="one CPU rank: build the decode step's compiled package for this model, batch and cache "
+                         "length if it is missing (about half a minute on a 2-core CPU, once; scripts/warmup.py "
+                         "builds it ahead) and use it; without this flag a package already built is used. On N ranks "
+                         "(--attention replicated, or --experts layer) and GPUs: torch.compile in this process")
+    ap.add_argument("--no-compile", dest="compile", action="store_const", const=False,
+                    help="eager decode steps, even where a compiled package is cached")
     ap.add_argument("--expert-load", default=None, metavar="DIR",
                     help="after generating, write an expert-load report (JSON, CSV, PNG) to DIR")
     ap.add_argument("--master-port", type=int, default=None,

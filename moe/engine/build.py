@@ -44,6 +44,7 @@ def build_model(directory: str | Path, dtype: str | torch.dtype | None = None, d
     if choice is not None:  # what this rank runs, for `model.info` and the ranks' agreement (`moe.api`)
         stats |= {"kernels": choice.describe(), "kernel_settings": choice.settings()}
     materialize_buffers(model, device)
+    model.kernel_choice = choice  # what a compiled step's key names (`moe.engine.ahead`)
     model.eval().requires_grad_(False)
     return model, ckpt, stats
 

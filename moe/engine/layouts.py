@@ -43,7 +43,7 @@ def compilable_plan(plan: Placement, compile: bool, exchange: str) -> Placement:
     return plan
 
 
-def check_options(gpus: int, cpu_kernels: str, attention: str, experts: str, exchange: str, compile: bool,
+def check_options(gpus: int, cpu_kernels: str, attention: str, experts: str, exchange: str, compile: bool | str | None,
                   threads: int | None = None) -> None:
     """`from_pretrained`'s choices, each refused in one line before anything is loaded or started."""
     if not isinstance(gpus, int) or gpus < 1:
@@ -61,7 +61,7 @@ def check_options(gpus: int, cpu_kernels: str, attention: str, experts: str, exc
                          f"got {attention!r}")
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange={exchange!r}: use one of {', '.join(EXCHANGES)}")
-    if compile not in (True, False):
-        raise ValueError(f"compile must be True or False, got {compile!r}")
+    if compile not in (None, True, False, "torch"):
+        raise ValueError(f"compile must be None, True, False or 'torch', got {compile!r}")
     if compile and cpu_kernels == "onednn":
         raise ValueError("compile=True cannot trace oneDNN-packed weights: use cpu_kernels='auto' or 'torch'")

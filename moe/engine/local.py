@@ -11,6 +11,7 @@ import torch
 from models.attention import KVCache, Padding
 from models.transformer import Transformer
 from moe.checkpoint.distributed_save import save_distributed
+from moe.engine.ahead import AheadDecode, AheadStep, ahead_compilable
 from moe.engine.compiled import CompiledDecode
 from moe.generation import GenerationResult, SamplingParams, generate_tokens, stops
 from moe.memory import MemoryUse
@@ -21,11 +22,17 @@ from moe.tokenizer import tokenizer_of
 
 
 class LocalEngine:
-    def __init__(self, model: Transformer, compile: bool = False) -> None:
+    def __init__(self, model: Transformer, compile: bool | str | None = None) -> None:
+        """`compile`: None runs decode steps through a package compiled ahead of time where one is cached for this
+        model's shapes, True builds a missing one first, False never compiles (`moe.engine.ahead`). "torch", and
+        True for a model no package takes (`ahead_compilable`), compiles them with `torch.compile` instead."""
         self.model = model
         self.caches: dict[str, KVCache] | None = None
         self.padding: Padding | None = None
-        self.compiled = CompiledDecode(model) if compile else None
+        ahead = compile in (None, True) and ahead_compilable(model)
+        self.ahead = AheadDecode(model, may_build=compile is True) if ahead else None
+        self.ahead_step: AheadStep | None = None  # the current request's
+        self.compiled = CompiledDecode(model) if compile == "torch" or (compile is True and not ahead) else None
         self.checkpoint_dir: str | None = None  # its tokenizer, read when a request has stop strings
 
     @property
@@ -34,7 +41,12 @@ class LocalEngine:
 
     # -- stepping (moe.generation.Stepper) ---------------------------------------------------------
     def start(self, batch: int, length: int, pad_B: torch.Tensor) -> None:
-        if self.compiled is not None:
+        self.ahead_step = None
+        if self.ahead is not None:
+            self.ahead_step, slots = self.ahead.step_for(batch, length)
+        if self.ahead_step is not None:  # fresh caches: a server keeps a request's caches past the next start
+            self.caches = self.model.make_caches(batch, slots)
+        elif self.compiled is not None:
             self.caches = self.compiled.caches_for(batch, length)
         else:
             self.caches = self.model.make_caches(batch, length)
@@ -43,6 +55,9 @@ class LocalEngine:
     @torch.inference_mode()
     def forward_last(self, tokens_BS: torch.Tensor, start: int) -> torch.Tensor:
         tokens_BS = tokens_BS.to(self.device)
+        if self.ahead_step is not None and tokens_BS.shape[1] == 1 and self.ahead_step.takes(self.caches):
+            pad = self.padding.device_B if self.padding is not None else None
+            return self.ahead(self.ahead_step, tokens_BS, start, pad, self.caches)
         if self.compiled is not None and tokens_BS.shape[1] == 1:  # a decode step: every shape static
             return self.compiled(tokens_BS, start, self.padding.device_B if self.padding is not None else None)
         return self.model(tokens_BS, start, self.caches, self.padding, last_only=True)[:, -1]

@@ -54,7 +54,8 @@ def serve(options: ServeOptions) -> int:
         model = MoEModel.from_pretrained(options.ckpt, dtype=options.dtype, device=options.device,
                                          threads=options.threads, attention=options.attention,
                                          experts=options.experts, placement=options.placement,
-                                         timeout_s=options.timeout_s, progress=options.progress and rank == 0)
+                                         timeout_s=options.timeout_s, progress=options.progress and rank == 0,
+                                         compile=False)  # its batches change shape every step: eager steps
     except BaseException as e:
         state.dead = f"loading failed: {e}"
         _stop_http(http)

@@ -1,0 +1,264 @@
+"""The decode step compiled ahead of time: built once into a file (AOTInductor) and loaded in milliseconds later.
+
+`torch.compile` re-traces the step in every new process (16 s before the first token of `small` with a warm
+inductor cache, issue 47), so the compiled step paid for itself only after about 1,500 tokens. Here the step is
+exported once (`torch.export`), compiled by AOTInductor into a package in the step cache (`cache_dir`) and, in later
+processes, loaded without dynamo or inductor and called from C++ with the step's tensors.
+
+The model's weights are inputs of the package, never part of it: during the export every tensor the step reads
+(found by running one eager step and recording what its operations touch) is swapped, wherever the model holds it,
+for an input of the exported function. The package is a few MB whatever the model's size, one package serves
+every checkpoint of the same shape, and the weights are read in place.
+
+A package is found by its key: the model's config, dtype and kernels, the batch and cache length, the torch version
+and the source of the model's code (`step_key`). It also records the shape and dtype of every input it takes;
+one whose record does not match this model, or that does not load, is rebuilt, never run. Writes are atomic
+(a temporary name renamed into place), so an interrupted build leaves nothing that looks built.
+
+One rank on the CPU, with the native kernels (`models.kernels`): oneDNN-packed weights cannot be traced and N
+ranks keep `torch.compile` (`moe.engine.compiled`), whose collectives are Python ops. Never run on CUDA.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from models.attention import KVCache
+from models.transformer import Transformer
+from moe.engine.compiled import CACHE_BUCKET
+from moe.engine.tensor_slots import TensorSlots
+from moe.progress import Progress
+
+CODE = [Path(__file__).resolve().parents[2] / "models", Path(__file__).resolve()]  # what the step's graph comes from
+
+
+def ahead_compilable(model: Transformer) -> bool:
+    """One rank's whole model on the CPU with the native kernels (not oneDNN's packed weights)."""
+    choice = getattr(model, "kernel_choice", None)
+    return (choice is not None and choice.device == "cpu" and choice.native and choice.asked == "auto"
+            and model.tok_embeddings is not None and len(model.held_blocks) == model.cfg.n_layers)
+
+
+def cache_dir() -> Path:
+    """$MOE_STEP_CACHE, else moe/steps in the user's cache folder."""
+    root = os.environ.get("MOE_STEP_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe" / "steps"
+
+
+def code_digest() -> str:
+    """The source of everything the step's graph is traced from, and the native kernels it calls."""
+    h = hashlib.sha256()
+    for root in CODE:
+        files = sorted(root.rglob("*")) if root.is_dir() else [root]
+        for f in files:
+            if f.suffix in (".py", ".cpp", ".h") and "__pycache__" not in f.parts:
+                h.update(f.relative_to(root.parent).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def step_key(model: Transformer, batch: int, length: int) -> str:
+    """Everything that changes the compiled code of a decode step of this model."""
+    from models.kernels import native
+
+    what = dict(config=repr(model.cfg), dtype=str(model.norm.weight.dtype),
+                kernels=repr(getattr(model, "kernel_choice", None)), flavour=native.flavour(),
+                blocks=list(model.held_blocks), batch=batch, length=length, torch=torch.__version__,
+                code=code_digest())
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
+
+
+class _Reads(TorchDispatchMode):
+    """Ids of every tensor an operation receives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for a in torch.utils._pytree.tree_leaves((args, kwargs or {})):
+            if isinstance(a, torch.Tensor):
+                self.ids.add(id(a))
+        return func(*args, **(kwargs or {}))
+
+
+def _example(batch: int) -> list[torch.Tensor]:
+    """Tokens [B, 1], the cache slot [1] and each sequence's left padding [B] (zeros: no padding)."""
+    return [torch.ones(batch, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+            torch.zeros(batch, dtype=torch.long)]
+
+
+def eager_steps(model: Transformer, caches: dict[str, KVCache], batch: int, n: int = 1) -> None:
+    """`n` eager steps that leave no trace: they make what the model makes at first use (the rotary table), and
+    the load counters are put back as they were."""
+    buffers = [b.clone() for b in model.buffers()]
+    with torch.inference_mode():
+        for _ in range(n):
+            model.decode_step(*_example(batch)[:2], caches, _example(batch)[2])
+        for b, saved in zip(model.buffers(), buffers, strict=True):
+            b.copy_(saved)
+
+
+def step_inputs(model: Transformer, caches: dict[str, KVCache], batch: int) -> TensorSlots:
+    """The model's tensors that a decode step reads."""
+    eager_steps(model, caches, batch)
+    reads = _Reads()
+    with reads:
+        eager_steps(model, caches, batch)
+    return TensorSlots.of(model, reads.ids)
+
+
+class _Step(torch.nn.Module):
+    """What is exported: the decode step as a function of its inputs, the model's tensors among them."""
+
+    def __init__(self, model: Transformer, slots: TensorSlots, names: list[str]) -> None:
+        super().__init__()
+        self.__dict__["model"] = model  # not a submodule: its tensors come in as inputs
+        self.slots, self.names = slots, names
+
+    def forward(self, tokens_B1, slot, pad_B, kv: list[torch.Tensor], weights: list[torch.Tensor]):
+        caches = {}
+        for i, name in enumerate(self.names):
+            cache = caches[name] = KVCache.__new__(KVCache)
+            cache.k, cache.v = kv[2 * i], kv[2 * i + 1]
+        with self.slots.swapped(weights):
+            return self.model.decode_step(tokens_B1, slot, caches, pad_B)
+
+
+def _specs(tensors: list[torch.Tensor]) -> list[list]:
+    return [[list(t.shape), str(t.dtype)] for t in tensors]
+
+
+def build(model: Transformer, batch: int, length: int, path: Path, note=print, progress: bool = True) -> None:
+    """Export and compile the step for this batch and cache length into `path` (atomically), with a bar of its two
+    phases."""
+    from torch._inductor import aoti_compile_and_package
+
+    caches = model.make_caches(batch, length)
+    fixed, slots = _example(batch), step_inputs(model, caches, batch)
+    kv = [t for c in caches.values() for t in (torch.zeros_like(c.k), torch.zeros_like(c.v))]
+    weights = slots.read()
+    note(f"compiling the decode step ahead of time for batch {batch} and {length} cache slots, once: about half a "
+         f"minute on a 2-core CPU; kept in {path.parent} ($MOE_STEP_CACHE)")
+    started = time.perf_counter()
+    bar = Progress("compiling the decode step", unit="phase", enabled=progress).start(2)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecations, not ours
+            exported = torch.export.export(_Step(model, slots, list(caches)), (*fixed, kv, weights), strict=False)
+            if exported.constants:  # a tensor the step reads that the swap missed would be baked in: refuse it
+                raise RuntimeError(f"the exported step holds {len(exported.constants)} tensors of its own")
+            bar.update(1, phase="AOTInductor")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f".partial-{os.getpid()}-{path.name}")
+            meta = dict(key=path.stem, inputs=json.dumps(_specs([*fixed, *kv, *weights])),
+                        slots=json.dumps(slots.paths))
+            try:
+                aoti_compile_and_package(exported, package_path=str(partial),
+                                         inductor_configs={"aot_inductor.metadata": meta})
+                partial.replace(path)
+            finally:
+                partial.unlink(missing_ok=True)
+            bar.update(1)
+    finally:
+        bar.close()
+    note(f"compiled in {time.perf_counter() - started:.0f} s ({len(weights)} of the model's tensors as inputs): "
+         f"{path}")
+
+
+class AheadStep:
+    """A loaded package and the tensors it is called with."""
+
+    def __init__(self, model: Transformer, path: Path, batch: int, length: int) -> None:
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        meta = loader.get_metadata()
+        if meta.get("key") != path.stem:
+            raise RuntimeError("the package's key is not its name")
+        self.slots = TensorSlots.at(model, json.loads(meta["slots"]))
+        self.weights = self.slots.read()
+        self.specs = json.loads(meta["inputs"])
+        self.loader, self.batch, self.length = loader, batch, length
+
+    def takes(self, caches: dict[str, KVCache]) -> bool:
+        """These caches are of the package's shape (a server re-forms its caches as sequences come and go)."""
+        k = next(iter(caches.values())).k if caches else None
+        return k is not None and k.shape[0] == self.batch and k.shape[2] == self.length
+
+    def check(self, inputs: list[torch.Tensor]) -> None:
+        """The package was built for tensors of exactly these shapes and dtypes."""
+        if _specs(inputs) != self.specs:
+            raise RuntimeError("the package's inputs do not match this model")
+
+    def __call__(self, fixed: list[torch.Tensor], kv: list[torch.Tensor]) -> torch.Tensor:
+        return self.loader.run([*fixed, *kv, *self.weights])[0]
+
+
+class AheadDecode:
+    """A one-rank engine's compiled steps, a package per batch size and cache length (rounded up as
+    `moe.engine.compiled` rounds them). `may_build`: build a missing package (`compile=True`), else only use one
+    already built (the default, `compile=None`)."""
+
+    def __init__(self, model: Transformer, may_build: bool, note=None) -> None:
+        from models.router import Router
+
+        self.model, self.may_build = model, may_build
+        self.note = note or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.routers = [m for m in model.modules() if isinstance(m, Router)]
+        self.steps: dict[tuple[int, int], AheadStep | None] = {}
+        self.slot = torch.zeros(1, dtype=torch.long)
+
+    def step_for(self, batch: int, length: int) -> tuple[AheadStep | None, int]:
+        """The step for a request of `batch` sequences and `length` positions, and the cache length it runs on."""
+        length = bucket(length, self.model.cfg.max_seq_len)
+        if any(r.round_robin or r.track_entropy for r in self.routers):  # modes a package is not built with
+            return None, length
+        if (batch, length) not in self.steps:
+            self.steps[batch, length] = self._load_or_build(batch, length)
+        return self.steps[batch, length], length
+
+    def _load_or_build(self, batch: int, length: int) -> AheadStep | None:
+        """Loaded from the cache, or built there when allowed (a package that fails its checks is rebuilt then, and
+        otherwise left unused)."""
+        path = cache_dir() / f"{step_key(self.model, batch, length)}.pt2"
+        caches = self.model.make_caches(batch, length)  # for the checks only: each request makes its own
+        kv = [t for c in caches.values() for t in (c.k, c.v)]
+        fixed = _example(batch)
+        for attempt in range(2):
+            if path.exists():
+                eager_steps(self.model, caches, batch)  # what the model makes at first use, before its tensors bind
+                try:
+                    step = AheadStep(self.model, path, batch, length)
+                    step.check([*fixed, *kv, *step.weights])
+                    return step
+                except Exception as exc:  # a corrupt, truncated or foreign package: never run
+                    self.note(f"the compiled step {path} cannot be used ({str(exc).splitlines()[0]}); "
+                              + ("rebuilding it" if self.may_build else "running eager steps"))
+                    if not self.may_build:
+                        return None
+                    path.unlink(missing_ok=True)
+            if not self.may_build or attempt:
+                return None
+            build(self.model, batch, length, path, self.note)
+        return None
+
+    def __call__(self, step: AheadStep, tokens_B1: torch.Tensor, start: int, pad_B: torch.Tensor | None,
+                 caches: dict[str, KVCache]) -> torch.Tensor:
+        """Logits [B, V] of one step on `caches` (which `step.takes`)."""
+        self.slot.fill_(start)
+        pad_B = pad_B if pad_B is not None else torch.zeros(tokens_B1.shape[0], dtype=torch.long)
+        kv = [t for c in caches.values() for t in (c.k, c.v)]
+        return step([tokens_B1, self.slot, pad_B], kv)
+
+
+def bucket(length: int, most: int) -> int:
+    return max(length, min(-(-length // CACHE_BUCKET) * CACHE_BUCKET, most))
