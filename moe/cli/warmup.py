@@ -49,8 +49,8 @@ def warmup(args: argparse.Namespace) -> int:
             if length > limit:
                 raise ValueError(f"--length {length}: the model holds at most {limit} positions")
             t0 = time.perf_counter()
-            step, slots = ahead.step_for(batch, length)
-            state = "ready" if step is not None else "not built"
+            slots = ahead.cache_length(batch, length)
+            state = "ready" if ahead.step_at(batch, slots) is not None else "not built"
             print(f"batch {batch}, {slots} cache slots: {state} ({time.perf_counter() - t0:.1f} s)")
     print(f"step cache: {cache_dir()}")
     return 0

@@ -109,13 +109,14 @@ def eager_steps(model: Transformer, caches: dict[str, KVCache], batch: int, n: i
             b.copy_(saved)
 
 
-def step_inputs(model: Transformer, caches: dict[str, KVCache], batch: int) -> TensorSlots:
-    """The model's tensors that a decode step reads."""
+def step_reads(model: Transformer, caches: dict[str, KVCache], batch: int) -> set[int]:
+    """Ids of the tensors an eager decode step reads (a traced step can take other branches: `export_step` adds
+    the model's tensors those read)."""
     eager_steps(model, caches, batch)
     reads = _Reads()
     with reads:
         eager_steps(model, caches, batch)
-    return TensorSlots.of(model, reads.ids)
+    return reads.ids
 
 
 class _Step(torch.nn.Module):
@@ -135,44 +136,59 @@ class _Step(torch.nn.Module):
             return self.model.decode_step(tokens_B1, slot, caches, pad_B)
 
 
+def export_step(model: Transformer, caches: dict[str, KVCache], batch: int):
+    """(the exported step, its TensorSlots). A traced step takes the compiled branches of the model's code (more rows
+    on the streaming kernel, for one), so a model tensor only they read shows up as a constant of the first export:
+    it becomes an input and the step is exported again. A constant that is no tensor of the model is refused."""
+    fixed, wanted = _example(batch), step_reads(model, caches, batch)
+    kv = [t for c in caches.values() for t in (torch.zeros_like(c.k), torch.zeros_like(c.v))]
+    for _ in range(3):
+        slots = TensorSlots.of(model, wanted)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecations, not ours
+            exported = torch.export.export(_Step(model, slots, list(caches)), (*fixed, kv, slots.read()),
+                                           strict=False)
+        more = {id(t) for t in exported.constants.values()} - wanted
+        if not exported.constants:
+            return exported, slots, [*fixed, *kv, *slots.read()]
+        if not more or len(TensorSlots.of(model, wanted | more).paths) == len(slots.paths):
+            break
+        wanted |= more
+    raise RuntimeError(f"the exported step holds {len(exported.constants)} tensors that are not the model's")
+
+
 def _specs(tensors: list[torch.Tensor]) -> list[list]:
     return [[list(t.shape), str(t.dtype)] for t in tensors]
 
 
-def build(model: Transformer, batch: int, length: int, path: Path, note=print, progress: bool = True) -> None:
+def build_package(model: Transformer, batch: int, length: int, path: Path, note=print,
+                  progress: bool = True) -> None:
     """Export and compile the step for this batch and cache length into `path` (atomically), with a bar of its two
     phases."""
     from torch._inductor import aoti_compile_and_package
 
-    caches = model.make_caches(batch, length)
-    fixed, slots = _example(batch), step_inputs(model, caches, batch)
-    kv = [t for c in caches.values() for t in (torch.zeros_like(c.k), torch.zeros_like(c.v))]
-    weights = slots.read()
     note(f"compiling the decode step ahead of time for batch {batch} and {length} cache slots, once: about half a "
          f"minute on a 2-core CPU; kept in {path.parent} ($MOE_STEP_CACHE)")
     started = time.perf_counter()
     bar = Progress("compiling the decode step", unit="phase", enabled=progress).start(2)
     try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecations, not ours
-            exported = torch.export.export(_Step(model, slots, list(caches)), (*fixed, kv, weights), strict=False)
-            if exported.constants:  # a tensor the step reads that the swap missed would be baked in: refuse it
-                raise RuntimeError(f"the exported step holds {len(exported.constants)} tensors of its own")
-            bar.update(1, phase="AOTInductor")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(f".partial-{os.getpid()}-{path.name}")
-            meta = dict(key=path.stem, inputs=json.dumps(_specs([*fixed, *kv, *weights])),
-                        slots=json.dumps(slots.paths))
-            try:
+        exported, slots, inputs = export_step(model, model.make_caches(batch, length), batch)
+        bar.update(1, phase="AOTInductor")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".partial-{os.getpid()}-{path.name}")
+        meta = dict(key=path.stem, inputs=json.dumps(_specs(inputs)), slots=json.dumps(slots.paths))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
                 aoti_compile_and_package(exported, package_path=str(partial),
                                          inductor_configs={"aot_inductor.metadata": meta})
-                partial.replace(path)
-            finally:
-                partial.unlink(missing_ok=True)
-            bar.update(1)
+            partial.replace(path)
+        finally:
+            partial.unlink(missing_ok=True)
+        bar.update(1)
     finally:
         bar.close()
-    note(f"compiled in {time.perf_counter() - started:.0f} s ({len(weights)} of the model's tensors as inputs): "
+    note(f"compiled in {time.perf_counter() - started:.0f} s ({len(slots.paths)} of the model's tensors as inputs): "
          f"{path}")
 
 
@@ -188,11 +204,6 @@ class AheadStep:
         self.weights = self.slots.read()
         self.specs = json.loads(meta["inputs"])
         self.loader, self.batch, self.length = loader, batch, length
-
-    def takes(self, caches: dict[str, KVCache]) -> bool:
-        """These caches are of the package's shape (a server re-forms its caches as sequences come and go)."""
-        k = next(iter(caches.values())).k if caches else None
-        return k is not None and k.shape[0] == self.batch and k.shape[2] == self.length
 
     def check(self, inputs: list[torch.Tensor]) -> None:
         """The package was built for tensors of exactly these shapes and dtypes."""
@@ -214,20 +225,41 @@ class AheadDecode:
         self.model, self.may_build = model, may_build
         self.note = note or (lambda line: print(line, file=sys.stderr, flush=True))
         self.routers = [m for m in model.modules() if isinstance(m, Router)]
-        self.steps: dict[tuple[int, int], AheadStep | None] = {}
+        self.steps: dict[tuple[int, int], AheadStep] = {}
+        self.missing: set[tuple[int, int]] = set()  # shapes looked for that had no usable package
         self.slot = torch.zeros(1, dtype=torch.long)
 
-    def step_for(self, batch: int, length: int) -> tuple[AheadStep | None, int]:
-        """The step for a request of `batch` sequences and `length` positions, and the cache length it runs on."""
-        length = bucket(length, self.model.cfg.max_seq_len)
-        if any(r.round_robin or r.track_entropy for r in self.routers):  # modes a package is not built with
-            return None, length
-        if (batch, length) not in self.steps:
-            self.steps[batch, length] = self._load_or_build(batch, length)
-        return self.steps[batch, length], length
+    def cache_length(self, batch: int, length: int) -> int:
+        """The cache length for a request of `batch` sequences and `length` positions: rounded up to a package's
+        where one will run (one is cached, or may be built at its first decode step), else `length` itself."""
+        slots = bucket(length, self.model.cfg.max_seq_len)
+        return slots if self.may_build or self.step_at(batch, slots, build=False) is not None else length
 
-    def _load_or_build(self, batch: int, length: int) -> AheadStep | None:
-        """Loaded from the cache, or built there when allowed (a package that fails its checks is rebuilt then, and
+    def step_at(self, batch: int, length: int, build: bool | None = None) -> AheadStep | None:
+        """The step for caches of exactly this batch and length (built if missing where `build`, by default
+        `may_build`): looked for once per shape, then remembered."""
+        build = self.may_build if build is None else build
+        key = (batch, length)
+        if any(r.round_robin or r.track_entropy for r in self.routers):  # modes a package is not built with
+            return None
+        if key not in self.steps and (build or key not in self.missing):
+            step = self._load_or_build(batch, length, build)
+            if step is not None:
+                self.steps[key] = step
+            self.missing.add(key)  # looked for (and, where allowed, built): never again, whatever came of it
+        return self.steps.get(key)
+
+    def decode(self, tokens_B1: torch.Tensor, start: int, pad_B: torch.Tensor | None,
+               caches: dict[str, KVCache]) -> torch.Tensor | None:
+        """Logits [B, V] of one step on `caches` through their shape's package; None where there is none."""
+        if not caches:
+            return None
+        k = next(iter(caches.values())).k
+        step = self.step_at(k.shape[0], k.shape[2])
+        return None if step is None else self(step, tokens_B1, start, pad_B, caches)
+
+    def _load_or_build(self, batch: int, length: int, build: bool) -> AheadStep | None:
+        """Loaded from the cache, or built there when `build` (a package that fails its checks is rebuilt then, and
         otherwise left unused)."""
         path = cache_dir() / f"{step_key(self.model, batch, length)}.pt2"
         caches = self.model.make_caches(batch, length)  # for the checks only: each request makes its own
@@ -242,18 +274,18 @@ class AheadDecode:
                     return step
                 except Exception as exc:  # a corrupt, truncated or foreign package: never run
                     self.note(f"the compiled step {path} cannot be used ({str(exc).splitlines()[0]}); "
-                              + ("rebuilding it" if self.may_build else "running eager steps"))
-                    if not self.may_build:
+                              + ("rebuilding it" if build else "running eager steps"))
+                    if not build:
                         return None
                     path.unlink(missing_ok=True)
-            if not self.may_build or attempt:
+            if not build or attempt:
                 return None
-            build(self.model, batch, length, path, self.note)
+            build_package(self.model, batch, length, path, self.note)
         return None
 
     def __call__(self, step: AheadStep, tokens_B1: torch.Tensor, start: int, pad_B: torch.Tensor | None,
                  caches: dict[str, KVCache]) -> torch.Tensor:
-        """Logits [B, V] of one step on `caches` (which `step.takes`)."""
+        """Logits [B, V] of one step on `caches`, which are of the step's shape."""
         self.slot.fill_(start)
         pad_B = pad_B if pad_B is not None else torch.zeros(tokens_B1.shape[0], dtype=torch.long)
         kv = [t for c in caches.values() for t in (c.k, c.v)]

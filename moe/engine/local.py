@@ -11,7 +11,7 @@ import torch
 from models.attention import KVCache, Padding
 from models.transformer import Transformer
 from moe.checkpoint.distributed_save import save_distributed
-from moe.engine.ahead import AheadDecode, AheadStep, ahead_compilable
+from moe.engine.ahead import AheadDecode, ahead_compilable
 from moe.engine.compiled import CompiledDecode
 from moe.generation import GenerationResult, SamplingParams, generate_tokens, stops
 from moe.memory import MemoryUse
@@ -31,7 +31,10 @@ class LocalEngine:
         self.padding: Padding | None = None
         ahead = compile in (None, True) and ahead_compilable(model)
         self.ahead = AheadDecode(model, may_build=compile is True) if ahead else None
-        self.ahead_step: AheadStep | None = None  # the current request's
+        # `start` rounds a request's cache length up to a package's (`moe.engine.ahead.bucket`); a server, which
+        # holds caches of its own length, sets this
+        self.exact_caches = False
+        self.ahead_ran = False  # the last decode step ran through a package
         self.compiled = CompiledDecode(model) if compile == "torch" or (compile is True and not ahead) else None
         self.checkpoint_dir: str | None = None  # its tokenizer, read when a request has stop strings
 
@@ -41,12 +44,9 @@ class LocalEngine:
 
     # -- stepping (moe.generation.Stepper) ---------------------------------------------------------
     def start(self, batch: int, length: int, pad_B: torch.Tensor) -> None:
-        self.ahead_step = None
-        if self.ahead is not None:
-            self.ahead_step, slots = self.ahead.step_for(batch, length)
-        if self.ahead_step is not None:  # fresh caches: a server keeps a request's caches past the next start
-            self.caches = self.model.make_caches(batch, slots)
-        elif self.compiled is not None:
+        if self.ahead is not None and not self.exact_caches:
+            length = self.ahead.cache_length(batch, length)
+        if self.compiled is not None:
             self.caches = self.compiled.caches_for(batch, length)
         else:
             self.caches = self.model.make_caches(batch, length)
@@ -55,9 +55,12 @@ class LocalEngine:
     @torch.inference_mode()
     def forward_last(self, tokens_BS: torch.Tensor, start: int) -> torch.Tensor:
         tokens_BS = tokens_BS.to(self.device)
-        if self.ahead_step is not None and tokens_BS.shape[1] == 1 and self.ahead_step.takes(self.caches):
+        if self.ahead is not None and tokens_BS.shape[1] == 1:
             pad = self.padding.device_B if self.padding is not None else None
-            return self.ahead(self.ahead_step, tokens_BS, start, pad, self.caches)
+            logits = self.ahead.decode(tokens_BS, start, pad, self.caches)
+            self.ahead_ran = logits is not None
+            if logits is not None:
+                return logits
         if self.compiled is not None and tokens_BS.shape[1] == 1:  # a decode step: every shape static
             return self.compiled(tokens_BS, start, self.padding.device_B if self.padding is not None else None)
         return self.model(tokens_BS, start, self.caches, self.padding, last_only=True)[:, -1]

@@ -49,6 +49,7 @@ class RunningBatch:
         self.clock = 0  # the column the next step writes
         self.sampler: Sampler | None = None  # the head's rank: rebuilt when the rows change
         self.engine.caches, self.engine.padding = {}, None
+        self.engine.exact_caches = True  # caches of this length, whatever a compiled step's rounding (moe.engine.local)
 
     def leave(self, requests: set[int]) -> None:
         self.prefills = [p for p in self.prefills if p.row.request not in requests]

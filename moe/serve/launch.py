@@ -37,6 +37,7 @@ class ServeOptions:
     placement: str | None = None  # a placement file (`--placement`)
     timeout_s: float = DEFAULT_TIMEOUT_S
     progress: bool = True  # checkpoint reading shown on rank 0
+    compile: bool | None = None  # True: build the compiled steps at start-up; None: use those built; False: eager
 
 
 def serve(options: ServeOptions) -> int:
@@ -55,7 +56,7 @@ def serve(options: ServeOptions) -> int:
                                          threads=options.threads, attention=options.attention,
                                          experts=options.experts, placement=options.placement,
                                          timeout_s=options.timeout_s, progress=options.progress and rank == 0,
-                                         compile=False)  # its batches change shape every step: eager steps
+                                         compile=False if options.compile is False else None)
     except BaseException as e:
         state.dead = f"loading failed: {e}"
         _stop_http(http)
@@ -63,6 +64,8 @@ def serve(options: ServeOptions) -> int:
     with model:
         length = _context(model, options)
         state.max_model_len, state.tokenizer, state.vocab_size = length, model.tokenizer, model.config.vocab_size
+        if options.compile:
+            _compiled_steps(model, options.max_num_seqs, length)
         scheduler = None
         if rank == 0:
             scheduler = Scheduler(options.max_num_seqs, options.max_queue, options.token_budget, model.eos_ids,
@@ -87,6 +90,22 @@ def serve(options: ServeOptions) -> int:
         finally:
             _stop_http(http)
     return 0
+
+
+def _compiled_steps(model, seqs: int, length: int) -> None:
+    """`--compile`: a package for every size of the running batch at the server's cache length, built or loaded
+    before /health turns 200 (`moe.engine.ahead`); while serving, steps use the packages there are."""
+    ahead = getattr(model.engine, "ahead", None)
+    if ahead is None:
+        print("--compile: compiled steps run on one CPU rank with the native kernels; serving eager steps",
+              file=sys.stderr, flush=True)
+        return
+    ahead.may_build = True
+    try:
+        for batch in range(1, seqs + 1):
+            ahead.step_at(batch, length)
+    finally:
+        ahead.may_build = False
 
 
 def _context(model, options: ServeOptions) -> int:
