@@ -56,6 +56,11 @@ def servers(args, path: Path, levels: list[int]) -> dict[str, tuple[subprocess.P
         cmd += ["--threads", str(max(1, args.threads // gpus))]
         url = f"http://127.0.0.1:{port}"
         running[f"ours x{gpus}"] = (start(cmd, url), url, path.name)
+        if args.compile and gpus == 1:  # the same server with compiled steps (built at its start, or loaded)
+            port = free_port()
+            compiled = [*cmd[:cmd.index("--port") + 1], str(port), *cmd[cmd.index("--port") + 2:], "--compile"]
+            url = f"http://127.0.0.1:{port}"
+            running["ours x1 compiled"] = (start(compiled, url), url, path.name)
     if "llama-server" in args.against:
         from moe.bench.llama_cpp import GGUF_NAMES, LlamaCpp
 
@@ -187,6 +192,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--against", default="", help="llama-server (needs --llama-cpp DIR or LLAMA_CPP_DIR)")
     ap.add_argument("--llama-cpp", default=None, metavar="DIR")
+    ap.add_argument("--compile", action="store_true",
+                    help="also our 1-rank server with --compile (a compiled step per batch size, built at its start)")
     ap.add_argument("--json", default=None)
     return ap
 

@@ -6,9 +6,9 @@ exported once (`torch.export`), compiled by AOTInductor into a package in the st
 processes, loaded without dynamo or inductor and called from C++ with the step's tensors.
 
 The model's weights are inputs of the package, never part of it: during the export every tensor the step reads
-(found by running one eager step and recording what its operations touch) is swapped, wherever the model holds it,
-for an input of the exported function. The package is a few MB whatever the model's size, one package serves
-every checkpoint of the same shape, and the weights are read in place.
+(what one eager step's operations touch, and what the traced step's own branches read) is swapped, wherever the
+model holds it, for an input of the exported function. The package is a few MB whatever the model's size, one
+package serves every checkpoint of the same shape, and the weights are read in place.
 
 A package is found by its key: the model's config, dtype and kernels, the batch and cache length, the torch version
 and the source of the model's code (`step_key`). It also records the shape and dtype of every input it takes;
@@ -98,13 +98,13 @@ def _example(batch: int) -> list[torch.Tensor]:
             torch.zeros(batch, dtype=torch.long)]
 
 
-def eager_steps(model: Transformer, caches: dict[str, KVCache], batch: int, n: int = 1) -> None:
-    """`n` eager steps that leave no trace: they make what the model makes at first use (the rotary table), and
-    the load counters are put back as they were."""
+def eager_steps(model: Transformer, caches: dict[str, KVCache], batch: int) -> None:
+    """An eager step that leaves no trace: it makes what the model makes at first use (the rotary table), and the
+    load counters are put back as they were."""
     buffers = [b.clone() for b in model.buffers()]
+    tokens, slot, pad = _example(batch)
     with torch.inference_mode():
-        for _ in range(n):
-            model.decode_step(*_example(batch)[:2], caches, _example(batch)[2])
+        model.decode_step(tokens, slot, caches, pad)
         for b, saved in zip(model.buffers(), buffers, strict=True):
             b.copy_(saved)
 
@@ -137,9 +137,10 @@ class _Step(torch.nn.Module):
 
 
 def export_step(model: Transformer, caches: dict[str, KVCache], batch: int):
-    """(the exported step, its TensorSlots). A traced step takes the compiled branches of the model's code (more rows
-    on the streaming kernel, for one), so a model tensor only they read shows up as a constant of the first export:
-    it becomes an input and the step is exported again. A constant that is no tensor of the model is refused."""
+    """(the exported step, its TensorSlots, its example inputs). A traced step takes the compiled branches of the
+    model's code (more rows on the streaming kernel, for one), so a model tensor only they read shows up as a
+    constant of the first export: it becomes an input and the step is exported again. A constant that is no tensor
+    of the model is refused."""
     fixed, wanted = _example(batch), step_reads(model, caches, batch)
     kv = [t for c in caches.values() for t in (torch.zeros_like(c.k), torch.zeros_like(c.v))]
     for _ in range(3):
