@@ -14,11 +14,14 @@ from tests.waiting import wait_until
 
 
 class Server:
-    def __init__(self, ckpt, *args: str) -> None:
+    def __init__(self, ckpt, *args: str, compiled: bool = False) -> None:
+        """`compiled`: the server's default, compiled decode steps built at start-up (tests/test_serve_compiled.py);
+        otherwise `--no-compile`, so that each server does not first build a step for every batch size."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "serve.py"), "--ckpt", str(ckpt),
-                                      "--port", str(self.port), *args], stdout=subprocess.PIPE,
+                                      "--port", str(self.port), *args, *([] if compiled else ["--no-compile"])],
+                                     stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
         wait_until(self.healthy, 240, f"the server on port {self.port} to answer /health with 200")
 

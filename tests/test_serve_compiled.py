@@ -1,6 +1,6 @@
-"""The server with compiled decode steps (`--compile`, `moe.engine.ahead`): a package for each size of the running
-batch is built before /health turns 200, concurrent greedy answers equal `MoEModel.generate`'s eager ones, and a
-later server loads the packages instead of building them."""
+"""The server as it starts by default, with compiled decode steps (`moe.engine.ahead`): a package for each size of
+the running batch is built before /health turns 200, concurrent greedy answers equal `MoEModel.generate`'s eager
+ones, and a later server loads the packages instead of building them."""
 
 from __future__ import annotations
 
@@ -36,11 +36,11 @@ def test_compiled_server_steps_give_the_eager_answers_and_are_built_once():
     with MoEModel.from_pretrained(TRAINED, compile=False) as local:
         want = [str(local.generate([p], max_new_tokens=10 + i, temperature=0)[0]) for i, p in enumerate(PROMPTS)]
     flags = ["--max-num-seqs", "2", "--max-model-len", "200", "--served-model-name", "m"]
-    first = Server(TRAINED, *flags, "--compile")
+    first = Server(TRAINED, *flags, compiled=True)
     assert answers(first) == want
     assert stderr(first).count("compiled in") == 2  # batch 1 and 2, at the server's 200 slots
     assert len(list(ahead.cache_dir().glob("*.pt2"))) == 2
-    later = Server(TRAINED, *flags)  # finds them: nothing to build
+    later = Server(TRAINED, *flags, compiled=True)  # finds them: nothing to build
     assert answers(later) == want
     assert "compiling" not in stderr(later)
 

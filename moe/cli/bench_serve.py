@@ -52,13 +52,14 @@ def servers(args, path: Path, levels: list[int]) -> dict[str, tuple[subprocess.P
         port = free_port()
         cmd = [sys.executable, str(Path(__file__).resolve().parents[2] / "scripts" / "serve.py"), "--ckpt", str(path),
                "--port", str(port), "--dtype", args.dtype, "--gpus", str(gpus), "--max-num-seqs", str(seqs),
-               "--max-model-len", str(args.input_len + args.output_len + 8), "--max-queue", str(4 * seqs)]
+               "--max-model-len", str(args.input_len + args.output_len + 8), "--max-queue", str(4 * seqs),
+               "--no-compile"]
         cmd += ["--threads", str(max(1, args.threads // gpus))]
         url = f"http://127.0.0.1:{port}"
         running[f"ours x{gpus}"] = (start(cmd, url), url, path.name)
         if args.compile and gpus == 1:  # the same server with compiled steps (built at its start, or loaded)
             port = free_port()
-            compiled = [*cmd[:cmd.index("--port") + 1], str(port), *cmd[cmd.index("--port") + 2:], "--compile"]
+            compiled = [*cmd[:cmd.index("--port") + 1], str(port), *cmd[cmd.index("--port") + 2:-1]]  # the default
             url = f"http://127.0.0.1:{port}"
             running["ours x1 compiled"] = (start(compiled, url), url, path.name)
     if "llama-server" in args.against:
@@ -193,7 +194,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--against", default="", help="llama-server (needs --llama-cpp DIR or LLAMA_CPP_DIR)")
     ap.add_argument("--llama-cpp", default=None, metavar="DIR")
     ap.add_argument("--compile", action="store_true",
-                    help="also our 1-rank server with --compile (a compiled step per batch size, built at its start)")
+                    help="also our 1-rank server as it starts by default, with compiled steps (one per batch size, "
+                         "built at its start or loaded); the other servers run with --no-compile")
     ap.add_argument("--json", default=None)
     return ap
 

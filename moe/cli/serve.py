@@ -42,12 +42,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                     help="on SIGTERM, how long running requests may take to finish (default 30)")
     ap.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger request bodies get 413")
-    ap.add_argument("--compile", dest="compile", action="store_const", const=True, default=None,
-                    help="one CPU rank: build a compiled decode step for every batch size up to --max-num-seqs at "
-                         "start-up (about 20 s each for a small model on 2 cores, once; kept in the step cache), "
-                         "before /health turns 200; without it, steps already built are used")
-    ap.add_argument("--no-compile", dest="compile", action="store_const", const=False,
-                    help="eager decode steps, even where compiled ones are cached")
+    ap.add_argument("--no-compile", dest="compile", action="store_false",
+                    help="eager decode steps. By default one CPU rank runs compiled ones: a step for every batch size "
+                         "up to --max-num-seqs, built at start-up before /health turns 200 where the step cache does "
+                         "not hold it yet (20-30 s each for a small model on 2 cores, once)")
     return ap
 
 

@@ -37,7 +37,7 @@ class ServeOptions:
     placement: str | None = None  # a placement file (`--placement`)
     timeout_s: float = DEFAULT_TIMEOUT_S
     progress: bool = True  # checkpoint reading shown on rank 0
-    compile: bool | None = None  # True: build the compiled steps at start-up; None: use those built; False: eager
+    compile: bool = True  # compiled decode steps, built at start-up where missing (one CPU rank); False: eager
 
 
 def serve(options: ServeOptions) -> int:
@@ -56,7 +56,7 @@ def serve(options: ServeOptions) -> int:
                                          threads=options.threads, attention=options.attention,
                                          experts=options.experts, placement=options.placement,
                                          timeout_s=options.timeout_s, progress=options.progress and rank == 0,
-                                         compile=False if options.compile is False else None)
+                                         compile=None if options.compile else False)
     except BaseException as e:
         state.dead = f"loading failed: {e}"
         _stop_http(http)
@@ -93,12 +93,11 @@ def serve(options: ServeOptions) -> int:
 
 
 def _compiled_steps(model, seqs: int, length: int) -> None:
-    """`--compile`: a package for every size of the running batch at the server's cache length, built or loaded
-    before /health turns 200 (`moe.engine.ahead`); while serving, steps use the packages there are."""
+    """A package for every size of the running batch at the server's cache length, built or loaded before /health
+    turns 200 (`moe.engine.ahead`): a server lives long enough to repay the builds, and a later one loads them.
+    Where no package runs (N ranks, GPUs, other kernels) the steps stay eager."""
     ahead = getattr(model.engine, "ahead", None)
     if ahead is None:
-        print("--compile: compiled steps run on one CPU rank with the native kernels; serving eager steps",
-              file=sys.stderr, flush=True)
         return
     ahead.may_build = True
     try:
