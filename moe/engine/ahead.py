@@ -21,6 +21,7 @@ ranks keep `torch.compile` (`moe.engine.compiled`), whose collectives are Python
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -56,8 +57,10 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe" / "steps"
 
 
+@functools.cache
 def code_digest() -> str:
-    """The source of everything the step's graph is traced from, and the native kernels it calls."""
+    """The source of everything the step's graph is traced from, and the native kernels it calls (read once a
+    process)."""
     h = hashlib.sha256()
     for root in CODE:
         files = sorted(root.rglob("*")) if root.is_dir() else [root]
@@ -263,11 +266,10 @@ class AheadDecode:
         """Loaded from the cache, or built there when `build` (a package that fails its checks is rebuilt then, and
         otherwise left unused)."""
         path = cache_dir() / f"{step_key(self.model, batch, length)}.pt2"
-        caches = self.model.make_caches(batch, length)  # for the checks only: each request makes its own
-        kv = [t for c in caches.values() for t in (c.k, c.v)]
-        fixed = _example(batch)
         for attempt in range(2):
             if path.exists():
+                caches = self.model.make_caches(batch, length)  # for the checks only: each request makes its own
+                kv, fixed = [t for c in caches.values() for t in (c.k, c.v)], _example(batch)
                 eager_steps(self.model, caches, batch)  # what the model makes at first use, before its tensors bind
                 try:
                     step = AheadStep(self.model, path, batch, length)
