@@ -234,11 +234,12 @@ def test_the_serving_bench_reports_vllms_figures_for_each_level(tmp_path):
     out = tmp_path / "serve.json"
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_serve.py"), "--ckpt", str(TRAINED),
                            "--threads", "2", "--concurrency", "1,2", "--requests", "2", "--input-len", "8",
-                           "--output-len", "4", "--json", str(out)], capture_output=True, text=True, timeout=600)
+                           "--output-len", "4", "--compile", "--json", str(out)], capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    for level in (1, 2):
-        row = rows[f"ours x1 c={level}"]
+    for name in (f"ours x1{compiled} c={level}" for compiled in ("", " compiled") for level in (1, 2)):
+        row = rows[name]
         assert row["failed"] == 0 and row["requests"] == 2 and row["output_tokens_per_s"] > 0
         assert row["ttft_ms"]["median"] > 0 and row["tpot_ms"]["p99"] >= row["tpot_ms"]["median"]
     assert rows["model.generate c=1"]["output_tokens_per_s"] > 0 and "TTFT med" in done.stdout

@@ -48,20 +48,20 @@ def servers(args, path: Path, levels: list[int]) -> dict[str, tuple[subprocess.P
     from moe.parallel.distributed import free_port
 
     running, seqs = {}, args.max_num_seqs or max(levels)
-    for gpus in args.rank_counts:
+
+    def ours(name: str, gpus: int, *flags: str) -> None:
         port = free_port()
         cmd = [sys.executable, str(Path(__file__).resolve().parents[2] / "scripts" / "serve.py"), "--ckpt", str(path),
                "--port", str(port), "--dtype", args.dtype, "--gpus", str(gpus), "--max-num-seqs", str(seqs),
                "--max-model-len", str(args.input_len + args.output_len + 8), "--max-queue", str(4 * seqs),
-               "--no-compile"]
-        cmd += ["--threads", str(max(1, args.threads // gpus))]
+               "--threads", str(max(1, args.threads // gpus)), *flags]
         url = f"http://127.0.0.1:{port}"
-        running[f"ours x{gpus}"] = (start(cmd, url), url, path.name)
-        if args.compile and gpus == 1:  # the same server with compiled steps (built at its start, or loaded)
-            port = free_port()
-            compiled = [*cmd[:cmd.index("--port") + 1], str(port), *cmd[cmd.index("--port") + 2:-1]]  # the default
-            url = f"http://127.0.0.1:{port}"
-            running["ours x1 compiled"] = (start(compiled, url), url, path.name)
+        running[name] = (start(cmd, url), url, path.name)
+
+    for gpus in args.rank_counts:
+        ours(f"ours x{gpus}", gpus, "--no-compile")
+        if args.compile and gpus == 1:  # as it starts by default: compiled steps, built at its start or loaded
+            ours("ours x1 compiled", 1)
     if "llama-server" in args.against:
         from moe.bench.llama_cpp import GGUF_NAMES, LlamaCpp
 
