@@ -39,7 +39,7 @@ def warmup(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = MoEModel.from_pretrained(args.ckpt, dtype=args.dtype, compile=True, progress=False)
-    ahead = model.engine.ahead if hasattr(model.engine, "ahead") else None
+    ahead = getattr(model.engine, "ahead", None)
     if ahead is None:
         raise ValueError(f"compiled packages run on one CPU rank with the native kernels; this model runs "
                          f"{model.info.kernels}")

@@ -21,6 +21,7 @@ ranks keep `torch.compile` (`moe.engine.compiled`), whose collectives are Python
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -34,6 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.attention import KVCache
+from models.router import Router
 from models.transformer import Transformer
 from moe.engine.compiled import CACHE_BUCKET
 from moe.engine.tensor_slots import TensorSlots
@@ -72,12 +74,9 @@ def code_digest() -> str:
 
 def step_key(model: Transformer, batch: int, length: int) -> str:
     """Everything that changes the compiled code of a decode step of this model."""
-    from models.kernels import native
-
-    what = dict(config=repr(model.cfg), dtype=str(model.norm.weight.dtype),
-                kernels=repr(getattr(model, "kernel_choice", None)), flavour=native.flavour(),
-                blocks=list(model.held_blocks), batch=batch, length=length, torch=torch.__version__,
-                code=code_digest())
+    what = dict(config=repr(model.cfg), dtype=str(model.norm.weight.dtype),  # the kernels: with their build's flavour
+                kernels=repr(getattr(model, "kernel_choice", None)), blocks=list(model.held_blocks), batch=batch,
+                length=length, torch=torch.__version__, code=code_digest())
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -146,19 +145,27 @@ def export_step(model: Transformer, caches: dict[str, KVCache], batch: int):
     of the model is refused."""
     fixed, wanted = _example(batch), step_reads(model, caches, batch)
     kv = [t for c in caches.values() for t in (torch.zeros_like(c.k), torch.zeros_like(c.v))]
+    slots = TensorSlots.of(model, wanted)
     for _ in range(3):
-        slots = TensorSlots.of(model, wanted)
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecations, not ours
+        with torch.no_grad(), _quiet_torch():
             exported = torch.export.export(_Step(model, slots, list(caches)), (*fixed, kv, slots.read()),
                                            strict=False)
-        more = {id(t) for t in exported.constants.values()} - wanted
         if not exported.constants:
             return exported, slots, [*fixed, *kv, *slots.read()]
-        if not more or len(TensorSlots.of(model, wanted | more).paths) == len(slots.paths):
+        wanted = wanted | {id(t) for t in exported.constants.values()}
+        more = TensorSlots.of(model, wanted)
+        if len(more.paths) == len(slots.paths):  # none of the constants is a tensor of the model
             break
-        wanted |= more
+        slots = more
     raise RuntimeError(f"the exported step holds {len(exported.constants)} tensors that are not the model's")
+
+
+@contextlib.contextmanager
+def _quiet_torch():
+    """Without the FutureWarnings of torch's own pytree use during export and packaging (not ours to act on)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
 
 
 def _specs(tensors: list[torch.Tensor]) -> list[list]:
@@ -182,8 +189,7 @@ def build_package(model: Transformer, batch: int, length: int, path: Path, note=
         partial = path.with_name(f".partial-{os.getpid()}-{path.name}")
         meta = dict(key=path.stem, inputs=json.dumps(_specs(inputs)), slots=json.dumps(slots.paths))
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
+            with _quiet_torch():
                 aoti_compile_and_package(exported, package_path=str(partial),
                                          inductor_configs={"aot_inductor.metadata": meta})
             partial.replace(path)
@@ -224,8 +230,6 @@ class AheadDecode:
     already built (the default, `compile=None`)."""
 
     def __init__(self, model: Transformer, may_build: bool, note=None) -> None:
-        from models.router import Router
-
         self.model, self.may_build = model, may_build
         self.note = note or (lambda line: print(line, file=sys.stderr, flush=True))
         self.routers = [m for m in model.modules() if isinstance(m, Router)]

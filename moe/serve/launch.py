@@ -99,12 +99,8 @@ def _compiled_steps(model, seqs: int, length: int) -> None:
     ahead = getattr(model.engine, "ahead", None)
     if ahead is None:
         return
-    ahead.may_build = True
-    try:
-        for batch in range(1, seqs + 1):
-            ahead.step_at(batch, length)
-    finally:
-        ahead.may_build = False
+    for batch in range(1, seqs + 1):
+        ahead.step_at(batch, length, build=True)
 
 
 def _context(model, options: ServeOptions) -> int:
