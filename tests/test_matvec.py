@@ -81,6 +81,64 @@ def test_grouped_products_match_a_naive_loop(w_dtype, x_dtype, width):
     assert torch.equal(alone[0], got[3])
 
 
+def pair_order(x_NI: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
+    """bf16 weights' documented order (models/kernels/csrc/pair_dot.h), one rounded fp32 add at a time: 16 chains over
+    the column pairs below the last multiple of 32, column 2p + 1 before 2p; the chains added (i, i + 8), (i, i + 4),
+    (i, i + 2), (0, 1); the remaining columns in order. A bf16 x bf16 product is exact in fp32, so a product then an
+    add rounds as a fused multiply-add does."""
+    x, w = x_NI.float()[:, None, :], w_OI.float()[None, :, :]  # [N, 1, I], [1, O, I]
+    body = x.shape[-1] // 32 * 32
+    c = torch.zeros(x.shape[0], w.shape[1], 16)
+    for b in range(0, body, 32):
+        odd, even = slice(b + 1, b + 32, 2), slice(b, b + 32, 2)
+        c = c + x[..., odd] * w[..., odd]
+        c = c + x[..., even] * w[..., even]
+    c = c[..., :8] + c[..., 8:]
+    c = c[..., :4] + c[..., 4:]
+    s = (c[..., 0] + c[..., 2]) + (c[..., 1] + c[..., 3])
+    for k in range(body, x.shape[-1]):
+        s = s + x[..., k] * w[..., k]
+    return s
+
+
+def cancelling(g: torch.Generator, out: int, width: int) -> torch.Tensor:
+    """bf16 weight rows whose large values (2^20 .. 2^25) come in pairs that cancel exactly, among normal ones: against
+    rows of ones and twos the result is the small terms', and the roundings of the large ones, which depend on the
+    order of the sum, show even once the result is rounded to bf16."""
+    w = torch.randn(out, width, generator=g)
+    for o in range(out):
+        cols = torch.randperm(width, generator=g)[:width // 4 * 2].view(2, -1)
+        sign = torch.randn(cols.shape[1], generator=g).sign()
+        big = 2.0 ** torch.randint(20, 26, (cols.shape[1],), generator=g) * sign
+        w[o, cols[0]], w[o, cols[1]] = big, -big
+    return w.bfloat16()
+
+
+@pytest.mark.parametrize("width", [512, 100, 31])  # whole 32-column blocks, a tail, only a tail
+@pytest.mark.parametrize("kernel", [native.grouped, native.prompt_grouped])
+@torch.inference_mode()
+def test_bf16_weights_sum_in_the_pair_order_to_the_last_bit(width, kernel):
+    """The order both kernels document for bf16 weights, emulated one add at a time: the same bits, whether the CPU's
+    bf16 dot-product instruction (bf16 rows, where the CPU has it) or fp32 multiply-adds (fp32 rows, or no such CPU)
+    computed them. fp32 rows give fp32 results, which show any other order; bf16 rows against cancelling weights
+    (`cancelling`) do too (checked: the sums of torch's product differ)."""
+    if kernel is native.prompt_grouped and not native.prompts():
+        pytest.skip("the prompt kernel needs an AVX2 build")
+    g = torch.Generator().manual_seed(width)
+    counts = torch.tensor([12, 8])
+    x = (torch.randn(20, width, generator=g) * 10.0 ** torch.randint(-3, 4, (20, width), generator=g)).bfloat16()
+    w = (torch.randn(2, 45, width, generator=g) * 10.0 ** torch.randint(-3, 4, (2, 45, width), generator=g)).bfloat16()
+    ones = torch.ones(20, width).bfloat16()
+    ones[12:] = 2
+    w_cancelling = torch.stack([cancelling(g, 45, width) for _ in range(2)])
+    for rows, weights in ((x.float(), w), (ones, w_cancelling)):
+        want = torch.cat([pair_order(rows[:12], weights[0]), pair_order(rows[12:], weights[1])]).to(rows.dtype)
+        assert torch.equal(kernel(rows, weights, counts), want)
+        if width >= 32:  # whole blocks: an order of their own, which these inputs tell from torch's
+            torch_order = [part.float() @ w_e.float().T for part, w_e in zip(rows.split([12, 8]), weights, strict=True)]
+            assert not torch.equal(want, torch.cat(torch_order).to(rows.dtype))
+
+
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @torch.inference_mode()

@@ -151,6 +151,11 @@ for width in (512, 4100, 7):
         got = ops.grouped_gemm(x, w, c, None)
         assert torch.equal(got, ops.grouped_matvec(x, w, c, None)), (dtype, width)
         print(dtype, width, hashlib.sha256(got.float().numpy().tobytes()).hexdigest())
+        if dtype == torch.bfloat16:  # products and sums below fp32's normal range: flushed as the bf16 instruction does
+            tiny = (x.float() * 1e-19).bfloat16(), (w.float() * 1e-19).bfloat16()
+            got = ops.grouped_gemm(*tiny, c, None)
+            assert torch.equal(got, ops.grouped_matvec(*tiny, c, None)), ("tiny", width)
+            print("tiny", width, hashlib.sha256(got.float().numpy().tobytes()).hexdigest())
     w, s = torch.randint(-127, 128, (3, 21, width), generator=g, dtype=torch.int8), torch.rand(3, 21, generator=g)
     got = ops.grouped_gemm(x, w, c, s)
     assert torch.equal(got, ops.grouped_matvec(x, w, c, s)), ("int8", width)

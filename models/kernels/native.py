@@ -37,8 +37,8 @@ import torch
 # kernel and the decode attention share, the prompt kernel's inner loops and its moves between rows and blocks, a
 # decode step's attention, a prompt's.
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("matvec.cpp", "prompt_gemm.cpp", "int8_rows.h", "row_dot.h", "gemm_micro.h", "gemm_layout.h",
-                        "decode_attention.cpp", "prompt_attention.cpp")]
+           for name in ("matvec.cpp", "prompt_gemm.cpp", "int8_rows.h", "row_dot.h", "pair_dot.h", "gemm_micro.h",
+                        "gemm_layout.h", "decode_attention.cpp", "prompt_attention.cpp")]
 # Up to this many rows per weight the kernel runs (a decode step, small batches); more rows (prompts) are bound
 # by arithmetic and go to the prompt kernel (or oneDNN, MKL where it does not run).
 MAX_ROWS = 8
@@ -46,7 +46,8 @@ MAX_ROWS = 8
 # one grouped call.
 EXPERT_MAX_ROWS = 4 * MAX_ROWS
 # -ffp-contract=off: the compiler never fuses a multiply and an add on its own, so each kernel rounds exactly where
-# its code says, and the decode and prompt kernels, which sum in one order (row_dot.h: `dot_rows`), agree bit for bit.
+# its code says, and the decode and prompt kernels, which sum in one order (row_dot.h: `dot_rows`; bf16 weights:
+# pair_dot.h), agree bit for bit.
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 _why = ""  # why the kernel is unavailable, once `available()` said so
 
@@ -73,8 +74,12 @@ def _simd_flags() -> tuple[str, list[str]]:
     if asked and FLAVOURS.index(asked) < FLAVOURS.index(flavour):
         flavour = asked
     if flavour == "avx512":
-        vnni = "avx512_vnni" in _cpu_flags()
-        return ("avx512vnni", [*AVX512, "-mavx512vnni"]) if vnni else ("avx512", AVX512)
+        cpu = _cpu_flags()
+        # bf16 weights' products through the CPU's bf16 dot product where it has one: the same bits (pair_dot.h)
+        bf16 = ["-mavx512bf16"] if "avx512_bf16" in cpu else []
+        if "avx512_vnni" in cpu:
+            return "avx512vnni", [*AVX512, "-mavx512vnni", *bf16]
+        return "avx512", [*AVX512, *bf16]
     return flavour, AVX2 if flavour == "avx2" else []
 
 

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "gemm_micro.h"
+#include "pair_dot.h"
 
 namespace moe_cpu {
 
@@ -46,13 +47,15 @@ inline void store8(c10::BFloat16* y, __m256 v) {
 // Where column d of a row sits in the prompt kernel's fp32 layout: the columns below `chained` (a multiple of 8:
 // those `dot_rows` sums in 8 chains) chain by chain, chain j's columns j, j + 8, ... side by side, so that the
 // micro kernel reads each chain's columns contiguously; the columns from `chained` on where they are. chained = 0:
-// every column where it is (int8 pairs).
+// every column where it is (int8 pairs). With 16 chains, bf16 weights' pair order (pair_dot.h: `pair_major`).
+template <int kChains = 8>
 inline int64_t chain_major(int64_t d, int64_t chained) {
+  if constexpr (kChains == kPairChains) return pair_major(d, chained);
   return d < chained ? (d & 7) * (chained / 8) + d / 8 : d;
 }
 
 // dst[chain_major(d, chained) * 16 + r] = rows[r][d] for d < depth, r < 16 (Lane: a 32-bit type).
-template <typename Lane>
+template <int kChains, typename Lane>
 void transpose_rows(const Lane* const rows[ROWS], int64_t depth, int64_t chained, Lane* dst) {
   static_assert(sizeof(Lane) == 4, "lanes are 32-bit");
   int64_t d0 = 0;
@@ -63,30 +66,32 @@ void transpose_rows(const Lane* const rows[ROWS], int64_t depth, int64_t chained
       for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_ps(reinterpret_cast<const float*>(rows[h + i] + d0));
       transpose8(v, t);
       for (int j = 0; j < 8; ++j) {
-        _mm256_storeu_ps(reinterpret_cast<float*>(dst + chain_major(d0 + j, chained) * ROWS + h), t[j]);
+        _mm256_storeu_ps(reinterpret_cast<float*>(dst + chain_major<kChains>(d0 + j, chained) * ROWS + h), t[j]);
       }
     }
   }
 #endif
   for (; d0 < depth; ++d0) {
-    for (int64_t r = 0; r < ROWS; ++r) dst[chain_major(d0, chained) * ROWS + r] = rows[r][d0];
+    for (int64_t r = 0; r < ROWS; ++r) dst[chain_major<kChains>(d0, chained) * ROWS + r] = rows[r][d0];
   }
 }
 
 // dst[chain_major(k, chained)] = src[k] as fp32 for k < in: a weight row widened into the prompt kernel's panel.
-template <typename W>
+template <int kChains, typename W>
 void widen_chain_major(const W* src, int64_t in, int64_t chained, float* dst) {
   int64_t k = 0;
 #ifdef MOE_MATVEC_AVX2
-  const int64_t per_chain = chained / 8;
-  for (; k + 64 <= chained; k += 64) {  // 8 x 8 columns: the 8 chains' next 8 values each
-    __m256 v[8], t[8];
-    for (int i = 0; i < 8; ++i) v[i] = load_floats(src + k + 8 * i);
-    transpose8(v, t);
-    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(dst + j * per_chain + k / 8, t[j]);
+  if constexpr (kChains == 8) {  // 8 x 8 columns at a time: the 8 chains' next 8 values each
+    const int64_t per_chain = chained / 8;
+    for (; k + 64 <= chained; k += 64) {
+      __m256 v[8], t[8];
+      for (int i = 0; i < 8; ++i) v[i] = load_floats(src + k + 8 * i);
+      transpose8(v, t);
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(dst + j * per_chain + k / 8, t[j]);
+    }
   }
 #endif
-  for (; k < in; ++k) dst[chain_major(k, chained)] = static_cast<float>(src[k]);
+  for (; k < in; ++k) dst[chain_major<kChains>(k, chained)] = static_cast<float>(src[k]);
 }
 
 // y[r * y_stride + c] = fin[c * 16 + r] for r < rows, c < cols: a block's outputs into their rows.

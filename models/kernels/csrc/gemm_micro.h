@@ -123,15 +123,16 @@ inline void micro_int8(const int32_t* A, const int16_t* B, int64_t stride, int64
 #endif
 }
 
-// Chain j of `dot_rows` (models/kernels/csrc/row_dot.h) for a 16 x COLS block of outputs, continued over columns [k0, k1)
-// (multiples of 8, below `chained`): tot[c * 16 + r] for output (c, r), started from 0 when k0 is 0, takes
-// A[k][r] * B[c][k] for k = k0 + j, k0 + j + 8, ... by one multiply-add each. A and B hold these columns chain by
-// chain (gemm_layout.h: `chain_major`), so the chain's are read contiguously, with the 12 accumulators in
-// registers.
+// Chain j of `dot_rows` (models/kernels/csrc/row_dot.h; with kChains = 16, of bf16 weights' pair order,
+// pair_dot.h) for a 16 x COLS block of outputs, continued over columns [k0, k1) (multiples of 8, or 32, below
+// `chained`): tot[c * 16 + r] for output (c, r), started from 0 when k0 is 0, takes A[k][r] * B[c][k] for the
+// chain's columns in that range, in its order, by one multiply-add each. A and B hold these columns chain by chain
+// (gemm_layout.h: `chain_major`), so the chain's are read contiguously, with the 12 accumulators in registers.
 // A: one block of rows, [in][16] fp32; B: COLS weight rows of `stride` fp32.
+template <int kChains = 8>
 inline void micro_float(const float* A, const float* B, int64_t stride, int64_t k0, int64_t k1, int64_t chained,
                         int64_t j, float* t) {
-  const int64_t p0 = j * (chained / 8) + k0 / 8, p1 = p0 + (k1 - k0) / 8;  // the chain's columns, as stored
+  const int64_t p0 = j * (chained / kChains) + k0 / kChains, p1 = p0 + (k1 - k0) / kChains;  // as stored
 #if defined(MOE_GEMM_AVX512)
 #define MOE_START(i) __m512 c##i = k0 > 0 ? _mm512_loadu_ps(t + (i) * ROWS) : _mm512_setzero_ps();
   MOE_EACH_COL(MOE_START)

@@ -8,10 +8,12 @@
 // summed in the same order whatever the number of rows or threads, and in the prompt kernel's order
 // (models/kernels/csrc/prompt_gemm.cpp), so a row's result depends neither on its batch nor on which kernel computes it.
 //
-// fp32 and bf16 weights: one 8-lane fp32 accumulator per weight row (bf16 widened on load), 4 rows at a time
-// (row_dot.h: `dot_rows`, which states the order). Measured against one row at a time with 4 accumulators (a sum
-// in another order), on the `small` model's decode shapes with weights from memory: 10-30% faster, since 4 chains
-// of multiply-adds hide their latency as well and the prefetcher follows 4 streams. int8 weights: each activation
+// fp32 weights: one 8-lane fp32 accumulator per weight row, 4 rows at a time (row_dot.h: `dot_rows`, which states
+// the order). Measured against one row at a time with 4 accumulators (a sum in another order), on the `small`
+// model's decode shapes with weights from memory: 10-30% faster, since 4 chains of multiply-adds hide their latency
+// as well and the prefetcher follows 4 streams. bf16 weights: 4 rows at a time likewise, in the order of the CPU's
+// bf16 dot-product instruction, which runs them where the activations are bf16 and the CPU has it (pair_dot.h:
+// `dot_pairs`; elsewhere fp32 multiply-adds in that order, the same bits). int8 weights: each activation
 // row is first rounded to 16-bit integers against its largest magnitude (models/kernels/csrc/int8_rows.h), and the dot product
 // is summed exactly in integers (int16 x int8 pairs, int32 lanes widened to int64 every 4096 elements, so no sum
 // can overflow): 2.5x fewer instructions per weight than widening each int8 to fp32, and an exact sum whose order
@@ -35,6 +37,7 @@
 #include <vector>
 
 #include "int8_rows.h"
+#include "pair_dot.h"
 #include "row_dot.h"
 
 namespace {
@@ -123,6 +126,18 @@ struct FloatRows {
   }
 };
 
+// bf16 weights: the pair order (pair_dot.h), through the CPU's bf16 dot-product instruction where the rows are bf16
+// and the build has it (`xb`), else fp32 multiply-adds on the rows in `pair_split`'s layout (`xs`).
+struct PairRows {
+  const float* xs;
+  const c10::BFloat16* xb;
+  int64_t in;
+  template <typename W, int R>
+  __attribute__((always_inline)) void dot(const c10::BFloat16* const w[R], int64_t m, float* s) const {
+    moe_cpu::dot_pairs<kAhead, R>(w, xs + m * in, xb != nullptr ? xb + m * in : nullptr, in, s);
+  }
+};
+
 struct IntRows {
   const int16_t* q;
   const float* scale;  // of each activation row
@@ -155,6 +170,7 @@ void run(const Rows& x, const W* w, const float* scale, const std::vector<Group>
          int64_t in_features, Out* y) {
   const int64_t work = out_features * static_cast<int64_t>(groups.size());
   at::parallel_for(0, work, 64, [&](int64_t begin, int64_t end) {
+    moe_cpu::DenormalMode<std::is_same_v<W, c10::BFloat16>> mode;  // bf16 weights: as the bf16 instruction computes
     for (int64_t item = begin; item < end;) {
       const Group& g = groups[item / out_features];
       const int64_t first = item % out_features, n = std::min(end - item, out_features - first);
@@ -182,6 +198,18 @@ void run(const Rows& x, const W* w, const float* scale, const std::vector<Group>
       item += n;
     }
   });
+}
+
+// The rows for bf16 weights: as they are, where they are bf16 and the build has the bf16 instruction (whose loop
+// reads the fp32 values only past the last block of 32 columns, where `pair_split` leaves them), else split.
+PairRows pair_rows(const at::Tensor& x, const float* xf, int64_t n, int64_t in) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if (x.scalar_type() == at::kBFloat16) return {xf, x.data_ptr<c10::BFloat16>(), in};
+#endif
+  thread_local std::vector<float> split;
+  split.resize(n * in);
+  for (int64_t m = 0; m < n; ++m) moe_cpu::split_pairs(xf + m * in, in, split.data() + m * in);
+  return {split.data(), nullptr, in};
 }
 
 at::Tensor grouped_matvec(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& counts,
@@ -235,7 +263,7 @@ at::Tensor grouped_matvec(const at::Tensor& x, const at::Tensor& w, const std::o
   std::vector<float> q_scale;
   switch (w.scalar_type()) {
     case at::kFloat: dispatch_out(w.data_ptr<float>(), rows); break;
-    case at::kBFloat16: dispatch_out(w.data_ptr<c10::BFloat16>(), rows); break;
+    case at::kBFloat16: dispatch_out(w.data_ptr<c10::BFloat16>(), pair_rows(xc, xf, n, in_features)); break;
     case at::kChar:
       if (to_int16(rows.x, n, in_features, q, q_scale)) {
         dispatch_out(w.data_ptr<int8_t>(), IntRows{q.data(), q_scale.data(), in_features});

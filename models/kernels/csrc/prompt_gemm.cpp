@@ -7,10 +7,12 @@
 // a prompt and the decode steps after it compute with the same numbers. Lanes hold at most 256 pair-sums of at
 // most 2 * 127 * 32767 each (< 2^31), then are added into int64 totals. A call whose rows hold a NaN or an
 // infinity computes in fp32 instead, so they propagate.
-// fp32 and bf16 weights: fp32 products and sums in the decode kernel's order (models/kernels/csrc/row_dot.h: `dot_rows`), so
-// here too a row's result is the decode kernel's bits, whatever the batch: each output's 8 chains (one per column
-// modulo 8) are summed one at a time, each over its columns stored side by side (gemm_layout.h: `chain_major`),
-// then added in dot_rows' order. Against one chain per output (the order before), 0-10% slower.
+// fp32 and bf16 weights: fp32 products and sums in the decode kernel's order (fp32: models/kernels/csrc/row_dot.h:
+// `dot_rows`; bf16: the pair order, pair_dot.h), so here too a row's result is the decode kernel's bits, whatever the
+// batch: each output's chains (fp32: 8, one per column modulo 8; bf16: 16, one per pair of columns modulo 16) are
+// summed one at a time, each over its columns stored side by side in the order it takes them (gemm_layout.h:
+// `chain_major`), then added in the decode kernel's order; bf16 with denormals flushed, as the decode kernel's bf16
+// instruction computes. Against one chain per output (the order before), 0-10% slower.
 //
 // Layout: rows are taken 16 at a time (read in their own dtype, bf16 or fp32) and transposed so that one vector
 // lane holds one row (int8: a 32-bit lane holds a row's two int16 values of a pair of columns), weight rows are
@@ -38,6 +40,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "gemm_layout.h"
@@ -62,6 +65,7 @@ struct Int8Kind {
   using Wide = int16_t;
   using Total = int64_t;
   static constexpr int64_t kPlanes = 1;  // one exact total per output, added into
+  static constexpr bool kFlush = false;
   static constexpr int64_t kDepth = DEPTH;
   const int8_t* w;
   const float* scale;
@@ -111,13 +115,16 @@ struct FloatKind {
   using Lane = float;
   using Wide = float;
   using Total = float;
-  static constexpr int64_t kPlanes = 8;  // the 8 chains of each output (`moe_cpu::dot_rows`)
+  static constexpr bool kPairs = std::is_same_v<W, c10::BFloat16>;  // bf16 weights: the pair order (pair_dot.h)
+  static constexpr bool kFlush = kPairs;  // ... with denormals flushed
+  static constexpr int64_t kPlanes = kPairs ? moe_cpu::kPairChains : 8;  // the chains of each output
   static constexpr int64_t kDepth = FLOAT_DEPTH;
   const W* w;
   int64_t out, in, depth;  // depth = in
 
   int64_t stride() const { return depth; }
-  int64_t body() const { return in & ~int64_t{7}; }  // the columns the chains take; the rest follow one by one
+  // the columns the chains take; the rest follow one by one
+  int64_t body() const { return kPairs ? moe_cpu::pair_body(in) : in & ~int64_t{7}; }
   int64_t chained() const { return body(); }  // stored chain by chain (gemm_layout.h: `chain_major`)
   bool row(const float* x, int64_t, Wide*, const Lane** lanes) const {
     *lanes = x;  // fp32 rows as they are
@@ -131,13 +138,22 @@ struct FloatKind {
   const W* rows(int64_t e, int64_t col) const { return w + (e * out + col) * in; }  // as stored
   int64_t row_bytes() const { return in * static_cast<int64_t>(sizeof(W)); }
   void widen(Wide* dst, int64_t e, int64_t col) const {
-    moe_cpu::widen_chain_major(rows(e, col), in, chained(), dst);
+    moe_cpu::widen_chain_major<kPlanes>(rows(e, col), in, chained(), dst);
   }
   void micro(const Lane* A, const Wide* B, int64_t d0, int64_t d1, int64_t chain, Total* tot) const {
-    moe_cpu::micro_float(A, B, stride(), d0, d1, chained(), chain, tot);
+    moe_cpu::micro_float<kPlanes>(A, B, stride(), d0, d1, chained(), chain, tot);
   }
-  // Each output as `dot_rows` finishes it: its 8 chains added ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)), then the
-  // columns past the last multiple of 8 by one multiply-add each (A: the block of rows, B: the panel).
+  template <typename V>
+  static V added(const V* chains) {
+    if constexpr (kPairs) {
+      return moe_cpu::pair_chains_added(chains);
+    } else {
+      return moe_cpu::chains_added(chains);
+    }
+  }
+  // Each output as the decode kernel finishes it: its chains added in their order (fp32 weights: `dot_rows`'; bf16:
+  // the pair order's), then the columns past the last chained one by one multiply-add each (A: the block of rows,
+  // B: the panel).
   const float* finish(const Total* tot, int64_t, int64_t, int64_t, int64_t cols, float* fin, const Lane* A,
                       const Wide* B) const {
     const int64_t plane = PANEL * ROWS, chained = body();
@@ -149,9 +165,9 @@ struct FloatKind {
       for (; r < ROWS; r += 8) {
         __m256 s = _mm256_setzero_ps();
         if (chained > 0) {
-          __m256 chains[8];
-          for (int64_t j = 0; j < 8; ++j) chains[j] = _mm256_loadu_ps(t + j * plane + r);
-          s = moe_cpu::chains_added(chains);
+          __m256 chains[kPlanes];
+          for (int64_t j = 0; j < kPlanes; ++j) chains[j] = _mm256_loadu_ps(t + j * plane + r);
+          s = added(chains);
         }
         for (int64_t k = chained; k < in; ++k) {
           s = _mm256_fmadd_ps(_mm256_loadu_ps(A + k * ROWS + r), _mm256_set1_ps(b[k]), s);
@@ -160,9 +176,9 @@ struct FloatKind {
       }
 #endif
       for (; r < ROWS; ++r) {
-        float chains[8];
-        for (int64_t j = 0; j < 8; ++j) chains[j] = t[j * plane + r];
-        float s = chained > 0 ? moe_cpu::chains_added(chains) : 0.f;
+        float chains[kPlanes];
+        for (int64_t j = 0; j < kPlanes; ++j) chains[j] = t[j * plane + r];
+        float s = chained > 0 ? added(chains) : 0.f;
         for (int64_t k = chained; k < in; ++k) s = moe_cpu::madd(A[k * ROWS + r], b[k], s);
         fin[c * ROWS + r] = s;
       }
@@ -191,7 +207,7 @@ bool pack(K& kind, const X* x, const std::vector<Group>& groups, int64_t blocks,
           usable[b] = 0;
         }
       }
-      moe_cpu::transpose_rows(rows, kind.depth, kind.chained(), A.data() + b * kind.depth * ROWS);
+      moe_cpu::transpose_rows<K::kPlanes>(rows, kind.depth, kind.chained(), A.data() + b * kind.depth * ROWS);
     }
   });
   return std::find(usable.begin(), usable.end(), 0) == usable.end();
@@ -226,6 +242,7 @@ void run(const K& kind, const std::vector<typename K::Lane>& A, const std::vecto
   }
   const int64_t stride = kind.stride();
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+    moe_cpu::DenormalMode<K::kFlush> mode;  // for the whole of this thread's share
     std::vector<typename K::Wide> panel(PANEL * stride, 0);  // rows past a short panel's: unused, never stored
     std::vector<typename K::Total> tot(K::kPlanes * PANEL * ROWS);
     std::vector<float> fin(PANEL * ROWS);

@@ -1,5 +1,6 @@
-// Weight rows against an fp32 row, summed in fp32: the decode kernel's fp32/bf16 products (`dot_rows`, in the
-// order the prompt kernel sums in too), and the scores and values of a decode step's attention (`dot_float`).
+// Weight rows against an fp32 row, summed in fp32: the decode kernel's fp32 products (`dot_rows`, in the order the
+// prompt kernel sums in too; bf16 weights sum in their own order, pair_dot.h), and the scores and values of a decode
+// step's attention (`dot_float`).
 
 #pragma once
 
@@ -78,7 +79,7 @@ inline __m256 chains_added(const __m256 c[8]) {
 }
 #endif
 
-// The order of every fp32/bf16 weight product, decode (models/kernels/csrc/matvec.cpp) and prompt (models/kernels/csrc/prompt_gemm.cpp)
+// The order of every fp32 weight product, decode (models/kernels/csrc/matvec.cpp) and prompt (models/kernels/csrc/prompt_gemm.cpp)
 // kernels alike, so a row's result is the same bits whichever computes it, whatever its batch:
 // 8 chains, chain j summing the columns k = j, j + 8, j + 16, ... below the last multiple of 8, in order, one
 // multiply-add each from 0; then ((c0 + c4) + (c2 + c6)) + ((c1 + c5) + (c3 + c7)); then the columns past that,
