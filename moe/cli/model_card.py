@@ -96,6 +96,9 @@ def about_model(args: argparse.Namespace, log: dict, cfg: dict, m: dict) -> list
         f"expert width {cfg['intermediate_size']}, vocabulary {cfg['vocab_size']}, trained context {s['seq_len']}",
         f"- parameters: {total:,} in total ({expert:,} in experts); {active:,} active per token",
         "- fp32 safetensors, Hugging Face Mixtral layout (loads in transformers' `MixtralForCausalLM` too)",
+        *([f"- not tuned for chat: `continuation.jinja` (given by hand, so the checkpoint has no chat template of its "
+           f"own) makes a conversation prose to continue: `python scripts/chat.py --ckpt {args.ckpt} --chat-template "
+           f"{args.ckpt}/continuation.jinja`"] if (args.ckpt / "continuation.jinja").exists() else []),
         "",
     ]
 
