@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from models.attention import KVCache
 from models.router import Router
 from models.transformer import Transformer
-from moe.engine.compiled import CACHE_BUCKET, DECODE_INDUCTOR
+from moe.engine.compiled import CACHE_BUCKET
 from moe.engine.tensor_slots import TensorSlots
 from moe.progress import Progress
 
@@ -76,7 +76,7 @@ def step_key(model: Transformer, batch: int, length: int) -> str:
     """Everything that changes the compiled code of a decode step of this model."""
     what = dict(config=repr(model.cfg), dtype=str(model.norm.weight.dtype),  # the kernels: with their build's flavour
                 kernels=repr(getattr(model, "kernel_choice", None)), blocks=list(model.held_blocks), batch=batch,
-                length=length, torch=torch.__version__, code=code_digest(), inductor=DECODE_INDUCTOR)
+                length=length, torch=torch.__version__, code=code_digest())
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -191,7 +191,7 @@ def build_package(model: Transformer, batch: int, length: int, path: Path, note=
         try:
             with _quiet_torch():
                 aoti_compile_and_package(exported, package_path=str(partial),
-                                         inductor_configs={"aot_inductor.metadata": meta, **DECODE_INDUCTOR})
+                                         inductor_configs={"aot_inductor.metadata": meta})
             partial.replace(path)
         finally:
             partial.unlink(missing_ok=True)

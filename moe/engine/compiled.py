@@ -60,14 +60,6 @@ def frozen(device: torch.device):
     return torch._inductor.config.patch({"freezing": True, "cpp.weight_prepack": False})
 
 
-# Inductor's settings for a decode step's kernels on CPU. A decode step's elementwise kernels are small (a batch of
-# rows of the model's width), and inductor runs each loop of over 2 x 512 values on every thread: an OpenMP region
-# that costs more than the loop. Parallel only from 2 x 16384 values, the qwen3-moe bf16 step with no such region
-# took 2.84-2.89 ms against 2.94-3.26 (batch 1, 3 runs each, alternating) and 11.7-12.4 ms against 12.2-13.3 (batch 8),
-# on a 2-core AMD EPYC Zen 4. The weight products and attention run our kernels, whatever this says.
-DECODE_INDUCTOR = {"cpp.min_chunk_size": 16384}
-
-
 def compile_step(step, device: torch.device, isolate: bool = False, on_compile=None):
     """`step` compiled as a decode step is: one graph of static shapes; on CUDA a CUDA graph, on CPU called from a
     C++ wrapper (0.3-0.5 ms less per step than inductor's Python one). `isolate`: its own compiled graphs.
@@ -80,7 +72,7 @@ def compile_step(step, device: torch.device, isolate: bool = False, on_compile=N
     def inductor(graph: torch.fx.GraphModule, example_inputs: list):  # inductor, as torch.compile calls it
         from torch._inductor.compile_fx import compile_fx
 
-        compiled = compile_fx(graph, example_inputs, config_patches={"cpp_wrapper": True, **DECODE_INDUCTOR})
+        compiled = compile_fx(graph, example_inputs, config_patches={"cpp_wrapper": True})
         if on_compile is not None:
             on_compile(graph, example_inputs, compiled)
         return compiled

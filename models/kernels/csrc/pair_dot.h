@@ -108,8 +108,8 @@ inline int64_t pair_major(int64_t d, int64_t chained) {
 // row in `pair_split`'s layout; `xb`: the same row as bf16 where it is bf16 (the instruction's operand), else null.
 // Each row also asks for the line kAhead bytes further on every 32 weights (row_dot.h: `dot_float` says why).
 template <int kAhead, int R>
-__attribute__((always_inline)) inline void dot_pairs(const c10::BFloat16* const w[R], const float* xs, const c10::BFloat16* xb, int64_t in,
-                      float* s) {
+__attribute__((always_inline)) inline void dot_pairs(const c10::BFloat16* const w[R], const float* xs,
+                                                     const c10::BFloat16* xb, int64_t in, float* s) {
   const int64_t body = pair_body(in);
   int64_t i = 0;
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
