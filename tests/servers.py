@@ -17,12 +17,22 @@ class Server:
     def __init__(self, ckpt, *args: str, compiled: bool = False) -> None:
         """`compiled`: the server's default, compiled decode steps built at start-up (tests/test_serve_compiled.py);
         otherwise `--no-compile`, so that each server does not first build a step for every batch size."""
-        self.port = free_port()
+        port = free_port()
+        self.start([str(ROOT / "scripts" / "serve.py"), "--ckpt", str(ckpt), "--port", str(port), *args,
+                    *([] if compiled else ["--no-compile"])], port)
+
+    @classmethod
+    def of_command(cls, argv: list[str], port: int, cwd=None) -> Server:
+        """A server started by `python argv...` (a command as a page writes it), listening on `port`."""
+        server = cls.__new__(cls)
+        server.start(argv, port, cwd)
+        return server
+
+    def start(self, argv: list[str], port: int, cwd=None) -> None:
+        self.port = port
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "serve.py"), "--ckpt", str(ckpt),
-                                      "--port", str(self.port), *args, *([] if compiled else ["--no-compile"])],
-                                     stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen([sys.executable, *argv], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
         wait_until(self.healthy, 240, f"the server on port {self.port} to answer /health with 200")
 
     def healthy(self) -> bool:

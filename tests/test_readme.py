@@ -9,7 +9,6 @@ repository root would), twice: an example that writes a fixed path would fail th
 from __future__ import annotations
 
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +17,6 @@ import pytest
 
 from moe.parallel.distributed import free_port
 from tests.readme_blocks import DOCS, README, ROOT, blocks
-from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -69,34 +67,19 @@ def test_serve_line_runs_as_written_and_answers():
     """The README's serve line from the repository root, until it answers a completion, then SIGTERM: exit 0. Run
     with --no-compile added (by default it first builds a compiled step per batch size: minutes on 2 cores, which
     tests/test_serve_compiled.py covers), and on a free port where 8000 is taken."""
-    httpx = pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")
+    from tests.servers import Server
+
     (command,) = [b.strip() for b in blocks("bash") if "scripts/serve.py" in b]
     argv = shlex.split(command)
     at = argv.index("--port") + 1
     with socket.socket() as probe:
         if probe.connect_ex(("127.0.0.1", int(argv[at]))) == 0:
             argv[at] = str(free_port())
-    url = f"http://127.0.0.1:{argv[at]}"
-    proc = subprocess.Popen([sys.executable, *argv[1:], "--no-compile"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-
-    def up() -> bool:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        try:
-            return httpx.get(url + "/health", timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_until(up, 240, "the README's server to answer /health with 200")
-        got = httpx.post(url + "/v1/completions", json={"prompt": "And God said", "max_tokens": 8}, timeout=120)
+    with Server.of_command([*argv[1:], "--no-compile"], int(argv[at]), cwd=ROOT) as server:
+        got = server.post("/v1/completions", {"prompt": "And God said", "max_tokens": 8})
         assert got.status_code == 200 and got.json()["usage"]["completion_tokens"] == 8, got.text
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        err = proc.communicate(timeout=120)[1]
-    assert proc.returncode == 0, err[-3000:]
+        assert server.stop() == 0
 
 
 def test_examples_pass_ruff(tmp_path):

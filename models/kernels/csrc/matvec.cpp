@@ -127,7 +127,7 @@ struct FloatRows {
 };
 
 // bf16 weights: the pair order (pair_dot.h), through the CPU's bf16 dot-product instruction where the rows are bf16
-// and the build has it (`xb`), else fp32 multiply-adds on the rows in `pair_split`'s layout (`xs`).
+// and the build has it (`xb`), else fp32 multiply-adds on the rows in `split_pairs`' layout (`xs`).
 struct PairRows {
   const float* xs;
   const c10::BFloat16* xb;
@@ -200,12 +200,14 @@ void run(const Rows& x, const W* w, const float* scale, const std::vector<Group>
   });
 }
 
-// The rows for bf16 weights: as they are, where they are bf16 and the build has the bf16 instruction (whose loop
-// reads the fp32 values only past the last block of 32 columns, where `pair_split` leaves them), else split.
-PairRows pair_rows(const at::Tensor& x, const float* xf, int64_t n, int64_t in) {
+// The rows for bf16 weights: as they are, where they are bf16 and the build has the bf16 instruction, else their fp32
+// values (`fp32_rows()`, widened only here) split into `split_pairs`' layout.
+template <typename Widen>
+PairRows pair_rows(const at::Tensor& x, const Widen& fp32_rows, int64_t n, int64_t in) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-  if (x.scalar_type() == at::kBFloat16) return {xf, x.data_ptr<c10::BFloat16>(), in};
+  if (x.scalar_type() == at::kBFloat16) return {nullptr, x.data_ptr<c10::BFloat16>(), in};
 #endif
+  const float* xf = fp32_rows();
   thread_local std::vector<float> split;
   split.resize(n * in);
   for (int64_t m = 0; m < n; ++m) moe_cpu::split_pairs(xf + m * in, in, split.data() + m * in);
@@ -243,11 +245,11 @@ at::Tensor grouped_matvec(const at::Tensor& x, const at::Tensor& w, const std::o
     sp = s.data_ptr<float>();
   }
   // Per call, only what the products need: fp32 rows read in place, bf16 rows widened into this thread's buffer
-  // (an aten conversion and a zeroed output cost 60-120 us a decode step of 33 calls), and zeros written only
-  // past the last group.
+  // where a product reads fp32 values (an aten conversion and a zeroed output cost 60-120 us a decode step of 33
+  // calls), and zeros written only past the last group.
   const at::Tensor xc = x.contiguous();
   thread_local std::vector<float> widened;
-  const float* xf = moe_cpu::fp32_values(xc, widened);
+  const auto fp32_rows = [&] { return moe_cpu::fp32_values(xc, widened); };
   const int64_t covered = groups.empty() ? 0 : groups.back().first_row + groups.back().n_rows;
   at::Tensor y = at::empty({n, out_features}, x.options());
   if (covered < n) y.narrow(0, covered, n - covered).zero_();
@@ -258,19 +260,20 @@ at::Tensor grouped_matvec(const at::Tensor& x, const at::Tensor& w, const std::o
       run(rows, wp, sp, groups, out_features, in_features, y.data_ptr<c10::BFloat16>());
     }
   };
-  const FloatRows rows{xf, in_features};
   std::vector<int16_t> q;
   std::vector<float> q_scale;
   switch (w.scalar_type()) {
-    case at::kFloat: dispatch_out(w.data_ptr<float>(), rows); break;
-    case at::kBFloat16: dispatch_out(w.data_ptr<c10::BFloat16>(), pair_rows(xc, xf, n, in_features)); break;
-    case at::kChar:
+    case at::kFloat: dispatch_out(w.data_ptr<float>(), FloatRows{fp32_rows(), in_features}); break;
+    case at::kBFloat16: dispatch_out(w.data_ptr<c10::BFloat16>(), pair_rows(xc, fp32_rows, n, in_features)); break;
+    case at::kChar: {
+      const FloatRows rows{fp32_rows(), in_features};
       if (to_int16(rows.x, n, in_features, q, q_scale)) {
         dispatch_out(w.data_ptr<int8_t>(), IntRows{q.data(), q_scale.data(), in_features});
       } else {
         dispatch_out(w.data_ptr<int8_t>(), rows);
       }
       break;
+    }
     default: TORCH_CHECK(false, "grouped_matvec: weights fp32, bf16 or int8, got ", w.scalar_type());
   }
   return y;

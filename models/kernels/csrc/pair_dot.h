@@ -75,22 +75,18 @@ inline __m256 pair_chains_added(const __m256 c[16]) {  // 8 outputs at once, lan
 }
 #endif
 
-// Where column d of an fp32 activation row sits for `dot_pairs`' multiply-adds: in each block of 32 columns, the odd
-// columns of pairs 0-7, their even columns, then pairs 8-15 likewise (one vector each); columns past the blocks
-// where they are.
-inline int64_t pair_split(int64_t d, int64_t body) {
-  if (d >= body) return d;
-  const int64_t q = d & 31, pair = q >> 1;
-  return (d & ~int64_t{31}) + (pair & 8) * 2 + ((q & 1) ? 0 : 8) + (pair & 7);
-}
+// An fp32 activation row as `dot_pairs`' multiply-adds read it (`split_pairs`): in each block of 32 columns, the
+// odd columns of pairs 0-7, their even columns, then pairs 8-15 likewise (one vector each); columns past the blocks
+// where they are. Pair p's odd column sits at `odd_slot(p)` of its block, its even column 8 further on.
+inline int64_t odd_slot(int64_t p) { return (p & 8) * 2 + (p & 7); }
 
-// One fp32 row in `pair_split`'s layout, into `out` (in values).
+// One fp32 row in that layout, into `out` (in values).
 inline void split_pairs(const float* x, int64_t in, float* out) {
   const int64_t body = pair_body(in);
   for (int64_t b = 0; b < body; b += 32) {
     for (int64_t p = 0; p < 16; ++p) {
-      out[b + (p & 8) * 2 + (p & 7)] = x[b + 2 * p + 1];
-      out[b + (p & 8) * 2 + 8 + (p & 7)] = x[b + 2 * p];
+      out[b + odd_slot(p)] = x[b + 2 * p + 1];
+      out[b + odd_slot(p) + 8] = x[b + 2 * p];
     }
   }
   std::memcpy(out + body, x + body, (in - body) * sizeof(float));
@@ -104,8 +100,9 @@ inline int64_t pair_major(int64_t d, int64_t chained) {
   return ((d & 31) >> 1) * (chained / kPairChains) + (d >> 5) * 2 + (1 - (d & 1));
 }
 
-// R bf16 weight rows against one activation row in the pair order (the caller holds a `FlushDenormals`). `xs`: the
-// row in `pair_split`'s layout; `xb`: the same row as bf16 where it is bf16 (the instruction's operand), else null.
+// R bf16 weight rows against one activation row in the pair order (the caller holds a `FlushDenormals`). `xb`: the
+// row as bf16 where it is bf16 and the build has the instruction (its operand), else null; `xs` (read only where
+// `xb` is null): the row in `split_pairs`' layout.
 // Each row also asks for the line kAhead bytes further on every 32 weights (row_dot.h: `dot_float` says why).
 template <int kAhead, int R>
 __attribute__((always_inline)) inline void dot_pairs(const c10::BFloat16* const w[R], const float* xs,
@@ -155,8 +152,8 @@ __attribute__((always_inline)) inline void dot_pairs(const c10::BFloat16* const 
       float c[16] = {};
       for (int64_t b = 0; b < body; b += 32) {
         for (int64_t p = 0; p < 16; ++p) {
-          c[p] = madd(widen(w[r][b + 2 * p + 1]), xs[pair_split(b + 2 * p + 1, body)], c[p]);
-          c[p] = madd(widen(w[r][b + 2 * p]), xs[pair_split(b + 2 * p, body)], c[p]);
+          c[p] = madd(widen(w[r][b + 2 * p + 1]), xs[b + odd_slot(p)], c[p]);
+          c[p] = madd(widen(w[r][b + 2 * p]), xs[b + odd_slot(p) + 8], c[p]);
         }
       }
       s[r] = pair_chains_added(c);
@@ -165,7 +162,8 @@ __attribute__((always_inline)) inline void dot_pairs(const c10::BFloat16* const 
     for (int r = 0; r < R; ++r) s[r] = 0.f;
   }
   for (int64_t k = body; k < in; ++k) {
-    for (int r = 0; r < R; ++r) s[r] = madd(widen(w[r][k]), xs[k], s[r]);
+    const float x = xb != nullptr ? widen(xb[k]) : xs[k];
+    for (int r = 0; r < R; ++r) s[r] = madd(widen(w[r][k]), x, s[r]);
   }
 }
 
