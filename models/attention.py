@@ -64,12 +64,15 @@ class RotaryTable:
 
     def __call__(self, positions_BS: torch.Tensor, dtype: torch.dtype,
                  length: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [B, 1, S, Dh] of these positions, in a call whose longest sequence has `length` positions (an
-        int, or a tensor on the device in a static-shape decode step; every position is below it)."""
+        """cos/sin [B, 1, S, Dh] of these positions (each row's increasing), in a call whose longest sequence has
+        `length` positions (an int, or a tensor on the device in a static-shape decode step; every position is
+        below it). The length-dependent kinds take each sequence's own length, its last position + 1, so that a
+        sequence's angles never depend on the others of its batch (transformers takes the batch's longest)."""
         cfg, scaling, device = self.cfg, self.cfg.rope_scaling, positions_BS.device
         if scaling.by_length:
-            inv = frequencies_for_length(cfg.rope_theta, cfg.head_dim, scaling, self.original, length, device)
-            return rotary_tables(positions_BS, inv, self.length_factor, dtype)
+            own = positions_BS[:, -1:] + 1  # [B, 1]
+            inv = frequencies_for_length(cfg.rope_theta, cfg.head_dim, scaling, self.original, own, device)
+            return rotary_tables(positions_BS, inv[:, None], self.length_factor, dtype)
         need = length if isinstance(length, int) else cfg.max_seq_len
         if self.cos is None or self.cos.device != device or self.cos.dtype != dtype or self.cos.shape[0] < need:
             n = min(cfg.max_seq_len, -(-max(need, 1) // TABLE_STEP) * TABLE_STEP)
@@ -133,11 +136,11 @@ class AttentionContext:
             return torch.ones(seq, length, dtype=torch.bool, device=device).tril(length - seq)
         return self.mask
 
-    def rows(self, a: int, b: int) -> AttentionContext:
-        """The context of sequences a..b of the batch (a rank's slice of it)."""
-        mask = self.mask[a:b] if self.mask is not None and self.mask.shape[0] > 1 else self.mask
-        full = self.full.rows(a, b) if self.full is not None else None
-        return dataclasses.replace(self, cos=self.cos[a:b], sin=self.sin[a:b], mask=mask, full=full)
+    def rows(self, index: slice | torch.Tensor) -> AttentionContext:
+        """The context of some sequences of the batch (a rank's rows of it): a slice, or indices on the device."""
+        mask = self.mask[index] if self.mask is not None and self.mask.shape[0] > 1 else self.mask
+        full = self.full.rows(index) if self.full is not None else None
+        return dataclasses.replace(self, cos=self.cos[index], sin=self.sin[index], mask=mask, full=full)
 
     @classmethod
     def build(cls, cfg: ModelConfig, rotary: RotaryTable, batch: int, seq: int, start: int, padding: Padding | None,
@@ -181,7 +184,7 @@ class AttentionContext:
         positions = slot.expand(batch)[:, None]  # [B, 1]
         if pad_B is not None:
             positions = (positions - pad_B[:, None]).clamp(min=0)
-        cos, sin = rotary(positions, dtype, slot + 1 if cfg.rope_scaling.by_length else length)
+        cos, sin = rotary(positions, dtype, length)
 
         def masked(window: int | None) -> AttentionContext:
             k_slot = torch.arange(length, device=slot.device)  # [L]

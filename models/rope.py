@@ -7,11 +7,11 @@ with `type` or `rope_type` as most Hub files do):
 - `default`: inv_freq[j] = theta^(-2j/Dh).
 - `linear`: positions divided by `factor`.
 - `dynamic` (NTK): theta grows with the sequence once it passes `max_position_embeddings`: each forward call uses
-  the length of its longest sequence (as transformers does from a fresh model).
+  each sequence's own length (transformers takes the batch's longest; alone, the same).
 - `yarn`: low frequencies interpolated, high ones kept, a linear ramp between (`beta_fast`, `beta_slow`,
   `truncate`); cos and sin scaled by `attention_factor` (from `mscale`, `mscale_all_dim`, or 0.1 ln f + 1).
 - `llama3`: long wavelengths divided by `factor`, short ones kept, smoothed between.
-- `longrope`: per-frequency `short_factor` or `long_factor`, the long ones once a call's length passes
+- `longrope`: per-frequency `short_factor` or `long_factor`, the long ones once a sequence's length passes
   `original_max_position_embeddings`; cos and sin scaled by sqrt(1 + ln f / ln original).
 
 An unknown kind, or a field a kind needs, is refused in one line.
@@ -193,8 +193,8 @@ def _longrope_attention(s: RopeScaling, max_position: int) -> float:
 
 def frequencies_for_length(theta: float, head_dim: int, scaling: RopeScaling, max_position: int,
                            length: torch.Tensor | int, device: torch.device | str | None = None) -> torch.Tensor:
-    """inv_freq [Dh/2] of a call whose longest sequence has `length` positions (dynamic, longrope); `length` may
-    be a tensor on the device (a compiled decode step's slot + 1)."""
+    """inv_freq [..., Dh/2] of sequences of `length` positions (dynamic, longrope): an int, or a tensor of lengths
+    [..., 1] on the device (each sequence's own, as a compiled decode step computes them)."""
     length = torch.as_tensor(length, device=device, dtype=torch.float32)
     if scaling.kind == "dynamic":
         length = torch.clamp(length, min=float(max_position))

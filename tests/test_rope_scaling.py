@@ -98,3 +98,30 @@ def test_the_static_shape_decode_step_takes_the_same_angles(kind, tmp_path):
             got = net.decode_step(nxt, torch.tensor([slot]), static, None)
             assert (got - want).abs().max().item() < 1e-5, slot
             nxt = want.argmax(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
+def test_length_dependent_angles_are_each_sequences_own_in_a_batch(kind, tmp_path):
+    """A short prompt batched with a long one (left-padded) gets the logits it gets alone, at the prompt and at each
+    step across the original context's end: its angles follow its own length, not the batch's longest."""
+    theta, scaling = parse_rope({"rope_parameters": SCALINGS[kind] | {"rope_theta": 1e4},
+                                 "max_position_embeddings": 4 * ORIGINAL})
+    cfg = tiny_config(rope_theta=theta, rope_scaling=scaling, max_seq_len=4 * ORIGINAL,
+                      max_position_embeddings=ORIGINAL if kind == "dynamic" else None)
+    engine = MoEModel.from_pretrained(write_checkpoint(tmp_path / "ckpt", cfg)).engine
+    short, long = (torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n))
+                   for n in (ORIGINAL - 6, ORIGINAL + 2))
+    steps, pad = 10, long.numel() - short.numel()
+
+    def run(tokens: torch.Tensor, pads: list[int]) -> list[torch.Tensor]:
+        engine.start(len(pads), tokens.shape[1] + steps, torch.tensor(pads))
+        out = [engine.forward_last(tokens, 0)]
+        for step in range(steps):
+            out.append(engine.forward_last(torch.full((len(pads), 1), 5 + step), tokens.shape[1] + step))
+        return out
+
+    with torch.inference_mode():
+        batched = run(torch.stack([torch.cat([torch.zeros(pad, dtype=torch.long), short]), long]), [pad, 0])
+        alone = run(short[None], [0])
+    for step, (b, a) in enumerate(zip(batched, alone, strict=True)):
+        assert (b[0] - a[0]).abs().max().item() < 1e-5, step

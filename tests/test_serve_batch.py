@@ -1,8 +1,12 @@
 """The server's engine loop without HTTP: sequences that join at different steps, wait for a slot, outgrow the
 cache's end (every row moves left) or arrive with prompts longer than a step's budget (prefilled in chunks while
-the others decode) get the tokens `generate` gives each alone."""
+the others decode) get the tokens `generate` gives each alone, also where the RoPE angles depend on each
+sequence's length."""
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import pytest
 
@@ -44,6 +48,30 @@ def model():
                                                   (2, 40, 4)], ids=["plain", "two-slots", "left-moves",
                                                                     "chunked", "all"])
 def test_joined_sequences_get_their_solo_tokens(model, slots, length, chunk):
+    assert_solo_tokens(model, slots, length, chunk)
+
+
+LENGTH_DEPENDENT = {"dynamic": dict(rope_type="dynamic", factor=4.0),
+                    "longrope": dict(rope_type="longrope", original_max_position_embeddings=16,
+                                     short_factor=[1.0 + 0.05 * i for i in range(16)],
+                                     long_factor=[1.0 + 0.5 * i for i in range(16)])}
+
+
+@pytest.mark.parametrize("kind", LENGTH_DEPENDENT)
+def test_rope_angles_that_depend_on_length_follow_each_sequence(kind, tmp_path):
+    """Dynamic NTK and longrope turn a sequence's keys by its own length: the shipped model with the scaling past a
+    16-token original context, sequences joining, moving left and arriving longer than a step's budget."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(TRAINED, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config |= dict(rope_parameters=LENGTH_DEPENDENT[kind] | {"rope_theta": 1e4},
+                   max_position_embeddings=16 if kind == "dynamic" else 64)
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with MoEModel.from_pretrained(ckpt) as model:
+        assert_solo_tokens(model, slots=2, length=40, chunk=4)
+
+
+def assert_solo_tokens(model, slots: int, length: int, chunk: int) -> None:
     params = [SamplingParams(16 + 2 * i, temperature=0.0 if i % 2 else 0.9, seed=i) for i in range(len(PROMPTS))]
     ids = [model.tokenizer.encode(p) for p in PROMPTS]
     want = [model.generate([p], **vars_of(q))[0] for p, q in zip(ids, params, strict=True)]

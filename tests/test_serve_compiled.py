@@ -1,6 +1,6 @@
 """The server as it starts by default, with compiled decode steps (`moe.engine.ahead`): a package for each size of
 the running batch is built before /health turns 200, concurrent greedy answers equal `MoEModel.generate`'s eager
-ones, and a later server loads the packages instead of building them."""
+ones, and a later server loads the packages instead of building them. A pipeline on 2 ranks compiles its steps too."""
 
 from __future__ import annotations
 
@@ -51,3 +51,14 @@ def stderr(server: Server) -> str:
     err = server.proc.communicate(timeout=60)[1]
     assert server.proc.returncode == 0
     return err
+
+
+def test_a_pipeline_on_two_ranks_serves_compiled_steps_with_the_eager_answers():
+    """`--experts layer` on 2 ranks: each rank compiles its blocks' part of a step for each batch size at start-up
+    (`moe.engine.pipeline`), and sequences joining and leaving the compiled batch get `generate`'s eager tokens."""
+    with MoEModel.from_pretrained(TRAINED, compile=False) as local:
+        want = [str(local.generate([p], max_new_tokens=10 + i, temperature=0)[0]) for i, p in enumerate(PROMPTS)]
+    server = Server(TRAINED, "--gpus", "2", "--experts", "layer", "--max-num-seqs", "2", "--max-model-len", "200",
+                    "--served-model-name", "m", compiled=True)
+    assert answers(server) == want
+    assert "compiled the decode steps of 1 to 2 sequences" in stderr(server)

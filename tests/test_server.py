@@ -176,13 +176,33 @@ def test_backpressure_cancellation_and_sigterm(tmp_path):
         assert server.stop() == 0
 
 
-def test_two_ranks_answer_as_one(local):
-    with Server(TRAINED, "--gpus", "2") as server:
-        got = server.client().completions.create(model="tiny-moe-austen-bbe", prompt=PROMPTS[:3], max_tokens=10,
-                                                 temperature=0)
+MIXED = {"world_size": 2, "embed_rank": 0, "head_rank": 1,
+         "blocks": [{"attention": "replicated", "experts": "expert"}, {"attention": "layer", "ranks": [1],
+                                                                        "experts": "expert"}] * 2}
+
+
+@pytest.mark.parametrize("layout", [[], ["--attention", "replicated"], ["--placement", "mixed"]],
+                         ids=["layer", "replicated", "mixed"])
+def test_two_ranks_answer_as_one(local, layout, tmp_path):
+    """Sequences that join and leave a batch of 3 on 2 ranks get their 1-rank answers; with replicated attention
+    each stays on the rank that holds its cache rows while others come and go (`moe.engine.rows`)."""
+    if layout[-1:] == ["mixed"]:
+        (tmp_path / "mixed.json").write_text(json.dumps(MIXED))
+        layout = ["--placement", str(tmp_path / "mixed.json")]
+    jobs = [(PROMPTS[i % len(PROMPTS)], 4 + 3 * i, 0.0 if i % 3 else 0.8, i) for i in range(7)]
+    with Server(TRAINED, "--gpus", "2", "--max-num-seqs", "3", *layout) as server:
+        client = server.client()
+
+        def ask(job):
+            prompt, n, temperature, seed = job
+            return client.completions.create(model="tiny-moe-austen-bbe", prompt=prompt, max_tokens=n,
+                                             temperature=temperature, seed=seed).choices[0].text
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            got = list(pool.map(ask, jobs))
         assert server.stop() == 0
-    assert [c.text for c in got.choices] == [str(w) for w in local.generate(PROMPTS[:3], max_new_tokens=10,
-                                                                              temperature=0)]
+    assert got == [str(local.generate([p], max_new_tokens=n, temperature=t, seed=s, ignore_eos=False)[0])
+                   for p, n, t, s in jobs]
 
 
 def test_the_serving_pages_curl_and_client_examples(server):

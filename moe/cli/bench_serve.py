@@ -54,14 +54,15 @@ def servers(args, path: Path, levels: list[int]) -> dict[str, tuple[subprocess.P
         cmd = [sys.executable, str(Path(__file__).resolve().parents[2] / "scripts" / "serve.py"), "--ckpt", str(path),
                "--port", str(port), "--dtype", args.dtype, "--gpus", str(gpus), "--max-num-seqs", str(seqs),
                "--max-model-len", str(args.input_len + args.output_len + 8), "--max-queue", str(4 * seqs),
-               "--threads", str(max(1, args.threads // gpus)), *flags]
+               "--threads", str(max(1, args.threads // gpus)), *flags,
+               *(["--attention", args.attention, "--experts", args.experts] if gpus > 1 else [])]
         url = f"http://127.0.0.1:{port}"
         running[name] = (start(cmd, url), url, path.name)
 
     for gpus in args.rank_counts:
         ours(f"ours x{gpus}", gpus, "--no-compile")
-        if args.compile and gpus == 1:  # as it starts by default: compiled steps, built at its start or loaded
-            ours("ours x1 compiled", 1)
+        if args.compile and (gpus == 1 or args.experts == "layer"):  # as it starts by default: compiled steps
+            ours(f"ours x{gpus} compiled", gpus)
     if "llama-server" in args.against:
         from moe.bench.llama_cpp import GGUF_NAMES, LlamaCpp
 
@@ -194,8 +195,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--against", default="", help="llama-server (needs --llama-cpp DIR or LLAMA_CPP_DIR)")
     ap.add_argument("--llama-cpp", default=None, metavar="DIR")
     ap.add_argument("--compile", action="store_true",
-                    help="also our 1-rank server as it starts by default, with compiled steps (one per batch size, "
-                         "built at its start or loaded); the other servers run with --no-compile")
+                    help="also our server as it starts by default, with compiled steps (one per batch size, built at "
+                         "its start or loaded) on 1 rank, and on N with --experts layer; the others run --no-compile")
+    ap.add_argument("--attention", default="layer", choices=["layer", "replicated", "tensor"],
+                    help="every block's attention on N ranks")
+    ap.add_argument("--experts", default="expert", choices=["expert", "tensor", "layer"],
+                    help="every block's experts on N ranks (layer: a pipeline of whole blocks)")
     ap.add_argument("--json", default=None)
     return ap
 

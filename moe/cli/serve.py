@@ -28,7 +28,8 @@ def parser() -> argparse.ArgumentParser:
     add_model_args(ap)
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--attention", choices=["layer", "tensor"], default="layer", help="every block's attention")
+    ap.add_argument("--attention", choices=["layer", "replicated", "tensor"], default="layer",
+                    help="every block's attention (replicated: each rank attends the sequences it holds)")
     ap.add_argument("--experts", choices=["expert", "tensor", "layer"], default="expert", help="every block's experts")
     ap.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together (KV-cache rows)")
     ap.add_argument("--max-model-len", type=int, default=None,
@@ -45,7 +46,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-compile", dest="compile", action="store_false",
                     help="eager decode steps. By default one CPU rank runs compiled ones: a step for every batch size "
                          "up to --max-num-seqs, built at start-up before /health turns 200 where the step cache does "
-                         "not hold it yet (20-30 s each for a small model on 2 cores, once)")
+                         "not hold it yet (20-30 s each for a small model on 2 cores, once); so does a pipeline on N "
+                         "ranks (--experts layer), compiled at every start")
     return ap
 
 

@@ -49,6 +49,10 @@ def hand_offs(plan: Placement) -> list[tuple[int, int]]:
 
 class PipelineEngine(ShardedEngine):
     compiled: CompiledDecode | None = None
+    # the server's: caches of the length asked, made fresh by every `start` (its running batch keeps several and
+    # joins them), a decode step takes the caller's and always a padding tensor (one graph per batch size)
+    exact_caches = False
+    _zeros: torch.Tensor | None = None  # the padding of a batch without any
 
     def __init__(self, model: Transformer, placement: Placement, dist: DistContext, dtype: torch.dtype,
                  step: StepRows | None = None) -> None:
@@ -80,7 +84,7 @@ class PipelineEngine(ShardedEngine):
         return self.dist.broadcast(torch.empty(shape, dtype=self.dtype, device=self.dist.device), src, pair)
 
     def start(self, batch: int, length: int, pad_B: torch.Tensor) -> None:
-        if self.compiled is None:
+        if self.compiled is None or self.exact_caches:
             return super().start(batch, length, pad_B)
         self.caches = self.compiled.caches_for(batch, length)  # kept for the next request of this shape
         self.padding = Padding.of(pad_B, self.dist.device)
@@ -94,10 +98,19 @@ class PipelineEngine(ShardedEngine):
         shape = (B, 1, self.model.cfg.dim)
         x = (tokens_BS.to(self.dist.device) if self.previous is None
              else self._hand_off(None, self.previous, self.rank, shape))
-        out = self.compiled(x, start, padding.device_B if padding is not None else None)
+        pad = padding.device_B if padding is not None else None
+        if self.exact_caches:  # zeros mask and turn as no padding does, to the bit
+            self.compiled.caches = caches
+            pad = pad if pad is not None else self._no_padding(B)
+        out = self.compiled(x, start, pad)
         if self.next is None:
             return out[:, None]
         return self._hand_off(out, self.rank, self.next, shape)
+
+    def _no_padding(self, batch: int) -> torch.Tensor:
+        if self._zeros is None or self._zeros.shape[0] != batch:
+            self._zeros = torch.zeros(batch, dtype=torch.long, device=self.dist.device)
+        return self._zeros
 
     def close(self) -> None:
         if self.compiled is not None:

@@ -3,9 +3,10 @@ experts stay spread as in the placement, and each rank runs its own slice of the
 
 With layer placement one owner works per block while the others only exchange rows; here every rank
 attends for its sequences at once and sends its own tokens in every exchange (the layout DeepSeek calls
-data-parallel attention, and the trainer's). The batch is split in contiguous slices, rank r the r-th;
-rank 0 gathers the last-position logits, samples, and broadcasts the tokens, so control flow is decided in one
-place. Costs: the dense weights on every rank (a few percent of a Mixtral) and one gather of logits per step.
+data-parallel attention, and the trainer's). The batch is split in contiguous slices, rank r the r-th (the server
+keeps each sequence on a home rank instead, `moe.engine.rows`); rank 0 gathers the last-position logits, samples,
+and broadcasts the tokens, so control flow is decided in one place. Costs: the dense weights on every rank (a few
+percent of a Mixtral) and one gather of logits per step.
 
 A batch smaller than the ranks (one sequence on 2 ranks: the latency case) would leave ranks without a sequence,
 waiting while the others attend. Instead every rank then runs every sequence (`redundant`): the attention is
@@ -27,12 +28,14 @@ import torch
 
 from models.attention import Padding
 from moe.engine.compiled import CompiledDecode
+from moe.engine.rows import Rows
 from moe.engine.sharded import ShardedEngine
 from moe.parallel.gather import ExchangeDispatcher
 
 
 class ReplicatedAttentionEngine(ShardedEngine):
     compiled: CompiledDecode | None = None
+    _own_padding: tuple = (None, None, None)  # the padding and rows it was cut for, this rank's share
 
     def compile_decode(self) -> None:
         """Decode steps of a batch that every rank runs whole (`redundant`) run compiled, one collective per block
@@ -51,8 +54,10 @@ class ReplicatedAttentionEngine(ShardedEngine):
         return all(isinstance(d, ExchangeDispatcher) and not d.table.replicated for d in dispatchers)
 
     def redundant(self, batch: int) -> bool:
-        """Every rank runs every sequence of this batch (the module docstring says when and why)."""
-        return batch < self.dist.world_size and self.step.exchange == "auto" and self._routes_alike
+        """Every rank runs every sequence of this batch (the module docstring says when and why); never where the
+        rows have homes (the server's, whose caches stay on their rank whatever the batch's size)."""
+        return batch < self.dist.world_size and self.step.exchange == "auto" and self._routes_alike and \
+            self.homes is None
 
     def routes_alike(self, batch: int) -> dict[int, tuple[int, ...]]:
         """A batch that every rank runs whole: every rank routes every block's tokens."""
@@ -60,18 +65,18 @@ class ReplicatedAttentionEngine(ShardedEngine):
             return dict.fromkeys(range(self.model.cfg.n_layers), tuple(range(self.dist.world_size)))
         return super().routes_alike(batch)
 
-    def my_rows(self, batch: int) -> torch.Tensor:
-        return torch.arange(batch) if self.redundant(batch) else torch.arange(*self._bounds(batch)[self.rank])
+    def my_rows(self, batch: int) -> Rows:
+        return Rows.of(list(range(batch)), self.dist.device) if self.redundant(batch) else \
+            self.rows_of(batch)[self.rank]
 
     def start(self, batch: int, length: int, pad_B: torch.Tensor) -> None:
-        rows = self.my_rows(batch)
         if self.compiled is not None and self.redundant(batch):
             self.caches = self.compiled.caches_for(batch, length)
         else:
             if self.compiled is not None:
-                self.compiled.caches = None  # a batch split over the ranks runs eager, in caches of its slice
-            self.caches = self.model.make_caches(len(rows), length) if len(rows) else {}
-        self.padding = Padding.of(pad_B[rows], self.dist.device)
+                self.compiled.caches = None  # a batch split over the ranks runs eager, in caches of its rows
+            self.caches = self.model.make_caches(self.my_rows(batch).count, length)  # none here: empty caches
+        self.padding = Padding.of(pad_B, self.dist.device)  # the whole batch's: each call takes its rows' share
 
     @torch.inference_mode()
     def tokens_to_logits(self, tokens_BS: torch.Tensor, start: int, padding: Padding | None,
@@ -80,7 +85,7 @@ class ReplicatedAttentionEngine(ShardedEngine):
         device = self.dist.device
         redundant = self.redundant(B)
         self.step.everywhere = redundant
-        self.step.most = -(-B // self.dist.world_size) * S  # the largest slice's tokens
+        self.step.most = max(r.count for r in self.rows_of(B)) * S  # the most tokens a rank brings
         for block in self.model.layers.values():  # one rank counts the copies every rank routes alike
             block.feed_forward.counts_load = self.rank == self.head_rank or not redundant
         if redundant and self.compiled is not None and S == 1 and caches is self.caches:  # a decode step
@@ -92,8 +97,9 @@ class ReplicatedAttentionEngine(ShardedEngine):
             self.model.hidden_states(tokens_BS.to(device), start, caches, padding)
             return None
         rows = self.my_rows(B)
-        if len(rows):
-            local = self.model(tokens_BS[rows].to(device), start, caches, padding, last_only=last_only)
+        if rows.count:
+            local = self.model(tokens_BS[rows.host].to(device), start, caches, self._padding_of(padding, rows),
+                               last_only=last_only)
         else:
             local = None
             for block in self.model.layers.values():
@@ -106,15 +112,28 @@ class ReplicatedAttentionEngine(ShardedEngine):
             self.compiled.caches = None
         super().close()
 
+    def _padding_of(self, padding: Padding | None, rows: Rows) -> Padding | None:
+        """The padding of this rank's rows: the whole batch's where it runs every row, else made once per batch and
+        rows (a request, or a change of the server's batch), not per step."""
+        if padding is None or rows.count == padding.host_B.shape[0]:
+            return padding
+        cut_for, rows_for, share = self._own_padding
+        if cut_for is not padding or rows_for is not rows:
+            self._own_padding = (padding, rows, Padding.of(padding.host_B[rows.host], self.dist.device))
+        return self._own_padding[2]
+
     def _gather(self, local: torch.Tensor | None, batch: int, seq: int) -> torch.Tensor | None:
         """Every rank's logits rows, in batch order, on rank 0 (equal-size buffers: gather needs them)."""
-        sizes = [b - a for a, b in self._bounds(batch)]
+        rows = self.rows_of(batch)
         V = self.model.cfg.vocab_size
-        buf = torch.zeros(max(sizes), seq, V, dtype=self.dtype, device=self.dist.device)
+        buf = torch.zeros(max(r.count for r in rows), seq, V, dtype=self.dtype, device=self.dist.device)
         if local is not None:
             buf[:len(local)] = local
         parts = self.dist.gather(buf, dst=0)
         if self.rank != 0:
             return None
-        return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
+        out = torch.empty(batch, seq, V, dtype=self.dtype, device=self.dist.device)
+        for p, r in zip(parts, rows, strict=True):
+            out[r.device] = p[:r.count]
+        return out
 

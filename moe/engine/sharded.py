@@ -5,7 +5,7 @@ values): a block's attention ranks (its owner, or its tensor group, which sums i
 then either the group that splits every expert runs them and sums by one all-reduce, or the first attention rank
 routes and every rank enters the block's expert exchange (with no rows when it brings none). Between, the hidden
 states go by point-to-point sends (or a broadcast over a group) to the ranks that need them and lack them. A block
-with replicated attention has every rank attend and route its own slice of the batch: the batch is split before
+with replicated attention has every rank attend and route its own rows of the batch: the batch is split before
 it and gathered after it. Every `Engine` call returns the same value on every rank, so a rank process and a
 torchrun process serve the same results.
 """
@@ -20,13 +20,13 @@ import torch
 from models.attention import AttentionContext, KVCache, Padding
 from models.transformer import Transformer, real_token_rows
 from moe.checkpoint.distributed_save import save_distributed
+from moe.engine.rows import Rows, balanced, homed
 from moe.generation import GenerationResult, SamplingParams, generate_tokens, stops
 from moe.memory import MemoryUse
 from moe.parallel.agreement import check_routing_agrees
 from moe.parallel.distributed import DistContext
 from moe.parallel.gather import StepRows
 from moe.parallel.placement import Placement
-from moe.parallel.strategies import balanced_slice
 from moe.progress import Progress
 from moe.reports.counters import local_load_stats, reset_load_stats, set_round_robin, track_entropy
 from moe.tokenizer import tokenizer_of
@@ -42,6 +42,8 @@ class ShardedEngine:
         self.checkpoint_dir: str | None = None  # its tokenizer, read when a request has stop strings
         self.caches: dict[str, KVCache] = {}
         self.padding: Padding | None = None
+        self.homes: list[Rows] | None = None  # the server's rows per rank in replicated blocks (`set_homes`)
+        self._balanced: dict[int, list[Rows]] = {}
         self.my_blocks = placement.attended_by(self.rank)
         self.splits_batch = any(placement.strategy(i).attention == "replicated" for i in self.my_blocks)
         cfg = model.cfg  # what a rank sends when it has no token of its own in a block: made once, not per step
@@ -61,8 +63,8 @@ class ShardedEngine:
     def start(self, batch: int, length: int, pad_B: torch.Tensor) -> None:
         cfg = self.model.cfg
         kv_heads = {str(i): self.model.layers[str(i)].attention.n_kv_heads for i in self.my_blocks}  # this rank's
-        a, b = self._bounds(batch)[self.rank]  # a replicated block caches this rank's slice of the batch only
-        rows = {name: b - a if self.placement.strategy(int(name)).attention == "replicated" else batch
+        mine = self.rows_of(batch)[self.rank].count  # a replicated block caches this rank's rows of the batch only
+        rows = {name: mine if self.placement.strategy(int(name)).attention == "replicated" else batch
                 for name in kv_heads}
         if self.dist.device.type == "cuda":  # the user's process cannot see this GPU's free memory: check here
             self._check_kv_fits(sum(rows[k] * KVCache.bytes_per_token(cfg, self.dtype.itemsize, n)
@@ -112,37 +114,51 @@ class ShardedEngine:
             return None
         return h if self.rank in src else self.dist.recv(shape, self.dtype, src[0])
 
-    def _bounds(self, batch: int) -> list[tuple[int, int]]:
-        """Each rank's contiguous slice of the batch where attention is replicated: (first row, end)."""
-        slices = (balanced_slice(batch, self.dist.world_size, r) for r in range(self.dist.world_size))
-        return [(s.start, s.stop) for s in slices]
+    def set_homes(self, homes: list[int] | None) -> None:
+        """The rank that attends each row of the next calls' batch in replicated blocks (`moe.engine.rows`; the
+        server's, whose sequences stay on one rank), or None: each rank a contiguous slice of any batch."""
+        self.homes = None if homes is None else homed(homes, self.dist.world_size, self.dist.device)
+
+    def split_caches(self) -> set[str]:
+        """This rank's caches that hold its rows of the batch only (replicated blocks), not every row."""
+        return {str(i) for i in self.my_blocks if self.placement.strategy(i).attention == "replicated"}
+
+    def rows_of(self, batch: int) -> list[Rows]:
+        """Per rank, its rows of a batch of `batch` sequences in replicated blocks."""
+        if self.homes is None:
+            if batch not in self._balanced:  # made once per batch size: a step's calls get the same objects
+                self._balanced[batch] = balanced(batch, self.dist.world_size, self.dist.device)
+            return self._balanced[batch]
+        if sum(r.count for r in self.homes) != batch:
+            raise ValueError(f"homes for {sum(r.count for r in self.homes)} rows, a batch of {batch}")
+        return self.homes
 
     def _split(self, h: torch.Tensor | None, holders: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-        """Full hidden states on `holders` -> every rank its slice of the batch (the first holder sends the others
+        """Full hidden states on `holders` -> every rank its rows of the batch (the first holder sends the others
         theirs)."""
-        bounds = self._bounds(shape[0])
+        rows = self.rows_of(shape[0])
         if self.rank == holders[0]:
-            for r, (a, b) in enumerate(bounds):
-                if r not in holders and b > a:
-                    self.dist.send(h[a:b], r)
-        a, b = bounds[self.rank]
+            for r, part in enumerate(rows):
+                if r not in holders and part.count:
+                    self.dist.send(h[part.device], r)
+        mine = rows[self.rank]
         if self.rank in holders:
-            return h[a:b]
-        return self.dist.recv((b - a, *shape[1:]), self.dtype, holders[0]) if b > a else self.no_rows[0].new_empty(
-            (0, *shape[1:]))
+            return h[mine.device]
+        return self.dist.recv((mine.count, *shape[1:]), self.dtype, holders[0]) if mine.count else \
+            self.no_rows[0].new_empty((0, *shape[1:]))
 
     def _join(self, h: torch.Tensor, dst: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor | None:
-        """Every rank's slice of the batch -> the full hidden states on the ranks `dst` (gathered on the first)."""
+        """Every rank's rows of the batch -> the full hidden states on the ranks `dst` (gathered on the first)."""
         first = dst[0]
-        parts = []
-        for r, (a, b) in enumerate(self._bounds(shape[0])):
-            if b == a:
+        out = torch.empty(shape, dtype=self.dtype, device=self.dist.device) if self.rank == first else None
+        for r, part in enumerate(self.rows_of(shape[0])):
+            if not part.count:
                 continue
             if self.rank == first:
-                parts.append(h if r == first else self.dist.recv((b - a, *shape[1:]), self.dtype, r))
+                out[part.device] = h if r == first else self.dist.recv((part.count, *shape[1:]), self.dtype, r)
             elif self.rank == r:
                 self.dist.send(h, first)
-        return self._move(torch.cat(parts) if self.rank == first else None, (first,), dst, shape)
+        return self._move(out, (first,), dst, shape)
 
     @torch.inference_mode()
     def tokens_to_logits(self, tokens_BS: torch.Tensor, start: int, padding: Padding | None,
@@ -158,7 +174,7 @@ class ShardedEngine:
         rows = real_token_rows(padding, S, start, device)
         self.step.most = B * S  # a block's first attention rank brings at most every token; the others none
         mine = self._slice_inputs(ctx, padding, S, start, B)  # for replicated blocks: this rank's rows
-        holders, split = p.embed_ranks, False  # split: every rank holds its slice of the batch
+        holders, split = p.embed_ranks, False  # split: every rank holds its rows of the batch
         for name, block in self.model.layers.items():
             s = p.strategy(int(name))
             cache = caches.get(name) if caches is not None else None
@@ -193,12 +209,12 @@ class ShardedEngine:
 
     def _slice_inputs(self, ctx: AttentionContext | None, padding: Padding | None, seq: int, start: int,
                       batch: int) -> tuple[AttentionContext | None, torch.Tensor | None]:
-        """The attention context and real-token rows of this rank's slice of the batch (replicated blocks)."""
+        """The attention context and real-token rows of this rank's rows of the batch (replicated blocks)."""
         if ctx is None or not self.splits_batch:
             return None, None
-        a, b = self._bounds(batch)[self.rank]
-        pad = Padding.of(padding.host_B[a:b], self.dist.device) if padding is not None else None
-        return ctx.rows(a, b), real_token_rows(pad, seq, start, self.dist.device)
+        mine = self.rows_of(batch)[self.rank]
+        pad = Padding.of(padding.host_B[mine.host], self.dist.device) if padding is not None else None
+        return ctx.rows(mine.device), real_token_rows(pad, seq, start, self.dist.device)
 
     def routes_alike(self, batch: int) -> dict[int, tuple[int, ...]]:
         """Per block, the ranks that route the same tokens of a batch of `batch` sequences, where several do: the

@@ -6,6 +6,10 @@ request gets alone. A sequence that joins is prefilled on its own into fresh row
 moves on when its prompt is longer than the clock), then its rows are appended; one that leaves has its rows
 dropped. When the clock reaches the end of the cache, every row moves left by the earliest row's start: relative
 positions, and so the keys already rotated, stay valid. No sequence is ever recomputed.
+
+Where blocks replicate attention over N ranks, each rank attends its own sequences and caches only their rows: a
+sequence gets a home rank when it joins (the least loaded) and stays there until it leaves (`moe.engine.rows`),
+so no cache row ever moves between ranks.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from models.attention import KVCache, Padding
+from moe.engine.rows import least_loaded
 from moe.generation import SamplingParams, left_pad
 from moe.generation.sampler import Sampler
 
@@ -37,6 +42,7 @@ class Prefill:
 
     row: Row
     caches: dict
+    home: int  # the rank that attends it in replicated blocks (0 where none)
     done: int = 0
 
 
@@ -48,6 +54,10 @@ class RunningBatch:
         self.pad: list[int] = []  # per row, the cache column its sequence begins at
         self.clock = 0  # the column the next step writes
         self.sampler: Sampler | None = None  # the head's rank: rebuilt when the rows change
+        # replicated blocks' caches, which hold this rank's rows only, and every row's home rank
+        self.split = engine.split_caches() if hasattr(engine, "split_caches") else set()
+        self.ranks = engine.dist.world_size if self.split else 1
+        self.homes: list[int] = []
         self.engine.caches, self.engine.padding = {}, None
         self.engine.exact_caches = True  # caches of this length, whatever a compiled step's rounding (moe.engine.local)
 
@@ -57,8 +67,13 @@ class RunningBatch:
         if len(keep) == len(self.rows):
             return
         index = torch.tensor(keep, dtype=torch.long, device=self.engine.device)
-        self.engine.caches = {name: _rows(c, index) for name, c in self.engine.caches.items()} if keep else {}
+        mine = [g for g, h in enumerate(self.homes) if h == self.engine.dist.rank] if self.split else []
+        kept = set(keep)
+        local = torch.tensor([j for j, g in enumerate(mine) if g in kept], dtype=torch.long, device=self.engine.device)
+        self.engine.caches = {name: _rows(c, local if name in self.split else index)
+                              for name, c in self.engine.caches.items()} if keep else {}
         self.rows, self.pad = [self.rows[i] for i in keep], [self.pad[i] for i in keep]
+        self._keep_homes([self.homes[i] for i in keep] if self.split else [])
         self.sampler = None
         if not self.rows:
             self.clock = 0
@@ -72,19 +87,25 @@ class RunningBatch:
             self._shift(longest - self.clock)
         running, tokens = self.engine.caches, left_pad([r.prompt for r in rows])[0]
         pads = [self.clock - len(r.prompt) for r in rows]
+        homes = self._new_homes(len(rows))
+        self._call_homes(homes)
         self.engine.start(len(rows), self.length, torch.tensor(pads))
         logits = self.engine.forward_last(tokens, self.clock - longest)
         if running:
             self.engine.caches = {name: _cat(running[name], c) for name, c in self.engine.caches.items()}
         self.rows, self.pad, self.sampler = self.rows + rows, self.pad + pads, None
+        self._keep_homes(self.homes + homes)
         self._set_padding()
         return logits
 
     def start_prefill(self, row: Row) -> None:
         running, padding = self.engine.caches, self.engine.padding
+        (home,) = self._new_homes(1)
+        self._call_homes([home])
         self.engine.start(1, self.length, torch.zeros(1, dtype=torch.long))
-        self.prefills.append(Prefill(row, self.engine.caches))
+        self.prefills.append(Prefill(row, self.engine.caches, home))
         self.engine.caches, self.engine.padding = running, padding
+        self._call_homes(self.homes)
 
     def prefill_chunks(self, budget: int) -> list[tuple[Row, torch.Tensor | None]]:
         """Up to `budget` more prompt tokens of the pending prefills, oldest first; the rows whose prompt is in,
@@ -97,8 +118,10 @@ class RunningBatch:
             running, padding = self.engine.caches, self.engine.padding
             self.engine.caches, self.engine.padding = p.caches, None
             chunk = torch.tensor([p.row.prompt[p.done:p.done + n]], dtype=torch.long)
+            self._call_homes([p.home])
             logits = self.engine.forward_last(chunk, p.done)
             p.caches, self.engine.caches, self.engine.padding = self.engine.caches, running, padding
+            self._call_homes(self.homes)
             p.done, budget = p.done + n, budget - n
             if p.done == len(p.row.prompt):
                 self.prefills.remove(p)
@@ -118,6 +141,7 @@ class RunningBatch:
         else:
             self.engine.caches = p.caches
         self.rows, self.pad, self.sampler = self.rows + [p.row], self.pad + [by], None
+        self._keep_homes(self.homes + [p.home])
         self._set_padding()
 
     def step(self, tokens_B: torch.Tensor) -> torch.Tensor | None:
@@ -154,6 +178,21 @@ class RunningBatch:
             self.pad = [p + by for p in self.pad]
         self.clock += by
         self._set_padding()
+
+    def _new_homes(self, n: int) -> list[int]:
+        """Homes for `n` sequences that start now, beside the running ones and the pending prefills."""
+        return least_loaded(self.homes + [p.home for p in self.prefills], self.ranks, n) if self.split else [0] * n
+
+    def _call_homes(self, homes: list[int]) -> None:
+        """The homes of the rows of the engine's next calls (only where caches are split)."""
+        if self.split:
+            self.engine.set_homes(homes)
+
+    def _keep_homes(self, homes: list[int]) -> None:
+        """The running rows' homes, for the next steps."""
+        if self.split:
+            self.homes = homes
+            self.engine.set_homes(homes)
 
     def _set_padding(self) -> None:
         self.engine.padding = Padding.of(torch.tensor(self.pad, dtype=torch.long), self.engine.device)

@@ -12,7 +12,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 from moe.parallel.distributed import DEFAULT_TIMEOUT_S
+from moe.progress import Progress
 from moe.serve.app import OpenAIServer, ServerState
 
 
@@ -37,7 +40,7 @@ class ServeOptions:
     placement: str | None = None  # a placement file (`--placement`)
     timeout_s: float = DEFAULT_TIMEOUT_S
     progress: bool = True  # checkpoint reading shown on rank 0
-    compile: bool = True  # compiled decode steps, built at start-up where missing (one CPU rank); False: eager
+    compile: bool = True  # compiled decode steps at start-up (one CPU rank, or a pipeline on N ranks); False: eager
 
 
 def serve(options: ServeOptions) -> int:
@@ -65,7 +68,7 @@ def serve(options: ServeOptions) -> int:
         length = _context(model, options)
         state.max_model_len, state.tokenizer, state.vocab_size = length, model.tokenizer, model.config.vocab_size
         if options.compile:
-            _compiled_steps(model, options.max_num_seqs, length)
+            _compiled_steps(model, options.max_num_seqs, length, options.progress and rank == 0)
         scheduler = None
         if rank == 0:
             scheduler = Scheduler(options.max_num_seqs, options.max_queue, options.token_budget, model.eos_ids,
@@ -92,27 +95,39 @@ def serve(options: ServeOptions) -> int:
     return 0
 
 
-def _compiled_steps(model, seqs: int, length: int) -> None:
-    """A package for every size of the running batch at the server's cache length, built or loaded before /health
-    turns 200 (`moe.engine.ahead`): a server lives long enough to repay the builds, and a later one loads them.
-    Where no package runs (N ranks, GPUs, other kernels) the steps stay eager."""
-    ahead = getattr(model.engine, "ahead", None)
-    if ahead is None:
+def _compiled_steps(model, seqs: int, length: int, progress: bool) -> None:
+    """Compiled decode steps for every size of the running batch at the server's cache length, ready before /health
+    turns 200: a server lives long enough to repay the builds. One CPU rank builds or loads packages
+    (`moe.engine.ahead`; a later server loads them); a pipeline of whole blocks on N ranks compiles each rank's part
+    with `torch.compile` (`moe.engine.pipeline`), every rank the same steps in lock-step. Elsewhere (other layouts
+    on N ranks, GPUs, other kernels) the steps stay eager."""
+    from moe.engine.pipeline import PipelineEngine, pipeline_refusal
+
+    engine = model.engine
+    ahead = getattr(engine, "ahead", None)
+    if ahead is not None:
+        for batch in range(1, seqs + 1):
+            ahead.step_at(batch, length, build=True)
         return
-    for batch in range(1, seqs + 1):
-        ahead.step_at(batch, length, build=True)
+    if not isinstance(engine, PipelineEngine) or pipeline_refusal(engine.placement) is not None:
+        return
+    engine.compile_decode()
+    engine.exact_caches = True
+    bar = Progress("compiling the decode steps", unit="step", enabled=progress).start(seqs)
+    started = time.perf_counter()
+    for batch in range(1, seqs + 1):  # garbage tokens into caches dropped after: only the graphs are kept
+        engine.start(batch, length, torch.zeros(batch, dtype=torch.long))
+        engine.forward_last(torch.zeros(batch, 1, dtype=torch.long), 0)
+        bar.update(1)
+    engine.caches = {}
+    bar.note(f"compiled the decode steps of 1 to {seqs} sequences in {time.perf_counter() - started:.0f} s "
+             "(each rank its blocks; --no-compile: eager steps)")
 
 
 def _context(model, options: ServeOptions) -> int:
     cfg = model.config
     if model.tokenizer is None:
         raise ValueError(f"{options.ckpt}: the server needs the checkpoint's tokenizer")
-    if cfg.rope_scaling.by_length:
-        raise ValueError(f"{options.ckpt}: RoPE scaling '{cfg.rope_scaling.kind}' depends on each sequence's length; "
-                         "the server does not run it yet")
-    plan = model.info.placement
-    if plan is not None and any(plan.strategy(i).attention == "replicated" for i in range(cfg.n_layers)):
-        raise ValueError("the server runs layer or tensor attention; --attention replicated is not served yet")
     limit = cfg.max_seq_len
     length = options.max_model_len or min(limit, 4096)
     if not 1 < length <= limit:
