@@ -117,7 +117,7 @@ class ReplicatedAttentionEngine(ShardedEngine):
         rows (a request, or a change of the server's batch), not per step."""
         if padding is None or rows.count == padding.host_B.shape[0]:
             return padding
-        cut_for, rows_for, share = self._own_padding
+        cut_for, rows_for, _ = self._own_padding
         if cut_for is not padding or rows_for is not rows:
             self._own_padding = (padding, rows, Padding.of(padding.host_B[rows.host], self.dist.device))
         return self._own_padding[2]

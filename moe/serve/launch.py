@@ -109,19 +109,20 @@ def _compiled_steps(model, seqs: int, length: int, progress: bool) -> None:
         for batch in range(1, seqs + 1):
             ahead.step_at(batch, length, build=True)
         return
-    if not isinstance(engine, PipelineEngine) or pipeline_refusal(engine.placement) is not None:
+    if not isinstance(engine, PipelineEngine) or pipeline_refusal(engine.placement) is not None or \
+            engine.device.type != "cpu":  # on CUDA its graphs would need caches at fixed addresses: never run there
         return
     engine.compile_decode()
     engine.exact_caches = True
-    bar = Progress("compiling the decode steps", unit="step", enabled=progress).start(seqs)
     started = time.perf_counter()
-    for batch in range(1, seqs + 1):  # garbage tokens into caches dropped after: only the graphs are kept
-        engine.start(batch, length, torch.zeros(batch, dtype=torch.long))
-        engine.forward_last(torch.zeros(batch, 1, dtype=torch.long), 0)
-        bar.update(1)
-    engine.caches = {}
-    bar.note(f"compiled the decode steps of 1 to {seqs} sequences in {time.perf_counter() - started:.0f} s "
-             "(each rank its blocks; --no-compile: eager steps)")
+    with Progress("compiling the decode steps", unit="step", enabled=progress).start(seqs) as bar:
+        for batch in range(1, seqs + 1):  # garbage tokens into caches dropped after: only the graphs are kept
+            engine.start(batch, length, torch.zeros(batch, dtype=torch.long))
+            engine.forward_last(torch.zeros(batch, 1, dtype=torch.long), 0)
+            bar.update(1)
+        engine.caches = {}
+        bar.note(f"compiled the decode steps of 1 to {seqs} sequences in {time.perf_counter() - started:.0f} s "
+                 "(each rank its blocks; --no-compile: eager steps)")
 
 
 def _context(model, options: ServeOptions) -> int:
