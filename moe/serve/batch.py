@@ -14,6 +14,7 @@ so no cache row ever moves between ranks.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -66,10 +67,12 @@ class RunningBatch:
         keep = [i for i, row in enumerate(self.rows) if row.request not in requests]
         if len(keep) == len(self.rows):
             return
-        index = torch.tensor(keep, dtype=torch.long, device=self.engine.device)
-        mine = [g for g, h in enumerate(self.homes) if h == self.engine.dist.rank] if self.split else []
-        kept = set(keep)
-        local = torch.tensor([j for j, g in enumerate(mine) if g in kept], dtype=torch.long, device=self.engine.device)
+        index = local = torch.tensor(keep, dtype=torch.long, device=self.engine.device)
+        if self.split:  # a split cache's rows: this rank's sequences, in batch order
+            mine = [g for g, h in enumerate(self.homes) if h == self.engine.dist.rank]
+            kept = set(keep)
+            local = torch.tensor([j for j, g in enumerate(mine) if g in kept], dtype=torch.long,
+                                 device=self.engine.device)
         self.engine.caches = {name: _rows(c, local if name in self.split else index)
                               for name, c in self.engine.caches.items()} if keep else {}
         self.rows, self.pad = [self.rows[i] for i in keep], [self.pad[i] for i in keep]
@@ -85,27 +88,25 @@ class RunningBatch:
         longest = max(len(r.prompt) for r in rows)
         if longest > self.clock:
             self._shift(longest - self.clock)
-        running, tokens = self.engine.caches, left_pad([r.prompt for r in rows])[0]
+        tokens = left_pad([r.prompt for r in rows])[0]
         pads = [self.clock - len(r.prompt) for r in rows]
         homes = self._new_homes(len(rows))
-        self._call_homes(homes)
-        self.engine.start(len(rows), self.length, torch.tensor(pads))
-        logits = self.engine.forward_last(tokens, self.clock - longest)
-        if running:
-            self.engine.caches = {name: _cat(running[name], c) for name, c in self.engine.caches.items()}
+        with self._apart({}, homes):
+            self.engine.start(len(rows), self.length, torch.tensor(pads))
+            logits = self.engine.forward_last(tokens, self.clock - longest)
+            joined = self.engine.caches
+        running = self.engine.caches
+        self.engine.caches = {name: _cat(running[name], c) for name, c in joined.items()} if running else joined
         self.rows, self.pad, self.sampler = self.rows + rows, self.pad + pads, None
         self._keep_homes(self.homes + homes)
         self._set_padding()
         return logits
 
     def start_prefill(self, row: Row) -> None:
-        running, padding = self.engine.caches, self.engine.padding
         (home,) = self._new_homes(1)
-        self._call_homes([home])
-        self.engine.start(1, self.length, torch.zeros(1, dtype=torch.long))
-        self.prefills.append(Prefill(row, self.engine.caches, home))
-        self.engine.caches, self.engine.padding = running, padding
-        self._call_homes(self.homes)
+        with self._apart({}, [home]):
+            self.engine.start(1, self.length, torch.zeros(1, dtype=torch.long))
+            self.prefills.append(Prefill(row, self.engine.caches, home))
 
     def prefill_chunks(self, budget: int) -> list[tuple[Row, torch.Tensor | None]]:
         """Up to `budget` more prompt tokens of the pending prefills, oldest first; the rows whose prompt is in,
@@ -115,13 +116,10 @@ class RunningBatch:
             if budget <= 0:
                 break
             n = min(budget, len(p.row.prompt) - p.done)
-            running, padding = self.engine.caches, self.engine.padding
-            self.engine.caches, self.engine.padding = p.caches, None
             chunk = torch.tensor([p.row.prompt[p.done:p.done + n]], dtype=torch.long)
-            self._call_homes([p.home])
-            logits = self.engine.forward_last(chunk, p.done)
-            p.caches, self.engine.caches, self.engine.padding = self.engine.caches, running, padding
-            self._call_homes(self.homes)
+            with self._apart(p.caches, [p.home]):
+                logits = self.engine.forward_last(chunk, p.done)
+                p.caches = self.engine.caches
             p.done, budget = p.done + n, budget - n
             if p.done == len(p.row.prompt):
                 self.prefills.remove(p)
@@ -183,10 +181,20 @@ class RunningBatch:
         """Homes for `n` sequences that start now, beside the running ones and the pending prefills."""
         return least_loaded(self.homes + [p.home for p in self.prefills], self.ranks, n) if self.split else [0] * n
 
-    def _call_homes(self, homes: list[int]) -> None:
-        """The homes of the rows of the engine's next calls (only where caches are split)."""
+    @contextmanager
+    def _apart(self, caches: dict, homes: list[int]):
+        """The engine's calls within run on rows outside the batch (sequences prefilled on their own): `caches`, no
+        padding and, where caches are split, rows with `homes`; the running batch's are back after."""
+        running, padding, rows = self.engine.caches, self.engine.padding, getattr(self.engine, "homes", None)
+        self.engine.caches, self.engine.padding = caches, None
         if self.split:
             self.engine.set_homes(homes)
+        try:
+            yield
+        finally:
+            self.engine.caches, self.engine.padding = running, padding
+            if self.split:
+                self.engine.homes = rows  # the running rows' own, not made again
 
     def _keep_homes(self, homes: list[int]) -> None:
         """The running rows' homes, for the next steps."""
