@@ -236,6 +236,15 @@ class KVCache:
         self.v[:, :, start:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]
 
+    def turn_into(self, start: int, q_BSHD: torch.Tensor, k_BSGD: torch.Tensor, v_BSGD: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`update` with q and k turned by RoPE on the way, in one native op: (q [B, H, S, Dh], k, v)."""
+        end = start + k_BSGD.shape[1]
+        if end > self.k.shape[2]:
+            raise ValueError(f"KV cache holds {self.k.shape[2]} positions, asked to write up to {end}")
+        q = native.rotary_into_cache(q_BSHD, k_BSGD, v_BSGD, cos, sin, self.k, self.v, start)
+        return q, self.k[:, :, :end], self.v[:, :, :end]
+
     def write_at(self, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One position at `slot` ([1] long tensor): every shape static; the whole cache is returned."""
         self.k.index_copy_(2, slot, k)
@@ -277,6 +286,11 @@ class Attention(nn.Module):
             for lin, part in zip(linears, parts, strict=True):
                 lin.kernel, lin.weight = part, weights.shape_only(lin.weight)
 
+    def glue_runs(self, cache: KVCache, q: torch.Tensor, ctx: AttentionContext) -> bool:
+        """RoPE and the cache write run as one native op (`KVCache.turn_into`)."""
+        return (self.choice is not None and native.glue_runs(self.choice.native) and cache.k.is_contiguous()
+                and cache.k.dtype == q.dtype == ctx.cos.dtype)
+
     def project_qkv(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.wqkv is None:
             return self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
@@ -298,15 +312,19 @@ class Attention(nn.Module):
         k = k.view(B, S, self.n_kv_heads, self.head_dim)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, S, Dh], [B, G, S, Dh]
-        v = v.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(torch.cat((q, k), dim=1), ctx.cos, ctx.sin).split((self.n_heads, self.n_kv_heads), dim=1)
-        if self.q_scale is not None:
-            q = q * self.q_scale
-        if cache is not None and ctx.slot is not None:
-            k, v = cache.write_at(ctx.slot, k, v)  # [B, G, L, Dh], ctx.mask hides the slots past this one
-        elif cache is not None:
-            k, v = cache.update(ctx.start, k, v)  # [B, G, start+S, Dh]
+        v = v.view(B, S, self.n_kv_heads, self.head_dim)
+        if cache is not None and ctx.slot is None and self.q_scale is None and self.glue_runs(cache, q, ctx):
+            q, k, v = cache.turn_into(ctx.start, q, k, v, ctx.cos, ctx.sin)  # one op, apply_rotary's bits
+        else:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S, Dh], [B, G, S, Dh]
+            q, k = apply_rotary(torch.cat((q, k), dim=1), ctx.cos, ctx.sin).split((self.n_heads, self.n_kv_heads),
+                                                                                  dim=1)
+            if self.q_scale is not None:
+                q = q * self.q_scale
+            if cache is not None and ctx.slot is not None:
+                k, v = cache.write_at(ctx.slot, k, v)  # [B, G, L, Dh], ctx.mask hides the slots past this one
+            elif cache is not None:
+                k, v = cache.update(ctx.start, k, v)  # [B, G, start+S, Dh]
         path = self.choice.attention(S == 1, ctx.is_causal, self.head_dim) if self.choice else kc.SDPA
         if self.sinks is not None:  # no library attention takes sinks: the softmax written out, in fp32
             out = sink_attention(q, k, v, ctx.explicit_mask(S, k.shape[2], q.device), self.sinks).to(x_BSD.dtype)

@@ -20,6 +20,7 @@ from torch import nn
 from models.basic import Linear
 from models.config import ModelConfig
 from models.experts import DenseMLP, GroupedExperts
+from models.kernels import native
 from models.router import Router, routing_checksum
 
 __all__ = ["GroupedExperts", "MoEFeedForward", "LocalDispatcher", "weighted_sum"]
@@ -109,15 +110,21 @@ class LocalDispatcher:
 
     def __init__(self, n_experts: int) -> None:
         self.n_experts = n_experts
+        self.native = False  # an inference model on native kernels: grouping and sum one op each, same bits
 
     def dispatch(self, x_TD: torch.Tensor, weights_TK: torch.Tensor,
                  ids_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Dispatched]:
         """(rows grouped by expert [N, D], rows per expert [E], metadata for combine)."""
+        if native.glue_runs(self.native):
+            rows_ND, counts_E, token_N, weight_N = native.group_by_expert(x_TD, weights_TK, ids_TK, self.n_experts)
+            return rows_ND, counts_E, LocalDispatched(token_N, weight_N, x_TD.shape[0], None)
         g = group_by_expert(ids_TK, self.n_experts)
         meta = LocalDispatched(g.token_N, weights_TK.reshape(-1)[g.order_N], x_TD.shape[0], g.rank_N)
         return x_TD[g.token_N], g.counts_E, meta
 
     def combine(self, y_ND: torch.Tensor, meta: LocalDispatched) -> torch.Tensor:
+        if native.glue_runs(self.native) and meta.rank_N is None:
+            return native.combine(y_ND, meta.weight_N, meta.token_N, meta.n_tokens)
         return weighted_sum(y_ND, meta, meta.rank_N)
 
     def combine_with(self, y_ND: torch.Tensor, meta: Dispatched, partial_TD: torch.Tensor) -> torch.Tensor:
@@ -141,6 +148,7 @@ class MoEFeedForward(nn.Module):
         ids = [] if dense else expert_ids or list(range(cfg.n_experts))
         self.experts = GroupedExperts.of(cfg, ids)
         self.dispatcher = LocalDispatcher(cfg.n_experts)
+        self.native = False  # `prepare_weights`
         # Token copies routed to each expert: row 0 prefill, row 1 decode. Counted on device, read on demand.
         self.register_buffer("load_counts", torch.zeros(2, cfg.n_experts, dtype=torch.long), persistent=False)
         # False on all but one of the ranks that route the same tokens (tensor parallelism, redundant attention):
@@ -163,13 +171,19 @@ class MoEFeedForward(nn.Module):
         self.shared_partial = False  # the shared expert holds a slice of its width: summed with the routed experts
         self.shared_gate = Linear(cfg.dim, 1) if cfg.shared_hidden_dim and cfg.shared_gate and not dense else None
 
+    def prepare_weights(self, choice) -> None:
+        """An inference model on native kernels counts, groups and sums its copies in one op each."""
+        self.native = self.dispatcher.native = choice.native
+
     def forward(self, x_TD: torch.Tensor, decoding: bool = False) -> torch.Tensor:
         if self.dense:
             return self.shared(x_TD)
         weights_TK, ids_TK = self.gate(x_TD, self.counts_load)
         if self.checks_routing:
             self.route_check.add_(routing_checksum(ids_TK))
-        if self.counts_load:
+        if self.counts_load and native.glue_runs(self.native):
+            native.count_ids(self.load_counts, int(decoding), ids_TK)
+        elif self.counts_load:
             self.load_counts[int(decoding)] += count_per_id(ids_TK.reshape(-1), self.n_experts)  # on device, no sync
         shared_TD = None
         if self.shared is not None:

@@ -18,6 +18,8 @@ int16 against its largest value and the products are summed exactly in integers 
 gives 127-149; `prompt_gemm.cpp` has the figures).
 `decode_attention(q, k, v, mask)`: SDPA of one query per sequence, in fp32, reading only the visible cache slots.
 `prompt_attention(q, k, v)`: causal SDPA of a prompt from the first slot, in fp32 (`prompt_attention_runs`).
+A block's steps between its products, an op each where eager torch takes several (`block_glue.cpp`): `rms_norm`,
+`rotary_into_cache`, `group_by_expert`, `combine`, `count_ids`; an eager model runs them where `glue_runs`.
 `available()` builds the kernels on first use (torch.utils.cpp_extension: a C++ compiler and ninja; 20-40 s,
 once per torch installation, kept in torch's extension cache) and says whether it can run; without it the
 weights fall back to oneDNN or torch's products.
@@ -35,10 +37,10 @@ import torch
 
 # The decode kernel, the prompt kernel, the activation rounding both use for int8, the fp32 row product the decode
 # kernel and the decode attention share, the prompt kernel's inner loops and its moves between rows and blocks, a
-# decode step's attention, a prompt's.
+# decode step's attention, a prompt's, a block's steps between its products.
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("matvec.cpp", "prompt_gemm.cpp", "int8_rows.h", "row_dot.h", "pair_dot.h", "gemm_micro.h",
-                        "gemm_layout.h", "decode_attention.cpp", "prompt_attention.cpp")]
+                        "gemm_layout.h", "decode_attention.cpp", "prompt_attention.cpp", "block_glue.cpp")]
 # Up to this many rows per weight the kernel runs (a decode step, small batches); more rows (prompts) are bound
 # by arithmetic and go to the prompt kernel (or oneDNN, MKL where it does not run).
 MAX_ROWS = 8
@@ -107,7 +109,7 @@ def available() -> bool:
             from torch.utils import cpp_extension
 
             print("building the CPU kernels (models/kernels/csrc: matvec.cpp, prompt_gemm.cpp, decode_attention.cpp, "
-                  "prompt_attention.cpp), once per torch installation: 20-40 s", file=sys.stderr)
+                  "prompt_attention.cpp, block_glue.cpp), once per torch installation: 20-40 s", file=sys.stderr)
             library.parent.mkdir(parents=True, exist_ok=True)
             cpp_extension.load(name=name, sources=[str(p) for p in SOURCES if p.suffix == ".cpp"],
                                build_directory=str(library.parent), is_python_module=False,
@@ -234,3 +236,39 @@ def prompt_attention(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.T
     """Causal SDPA of a prompt from the first cache slot (no padding), in fp32, heads grouped over the key heads;
     [B, H, S, D] in q's dtype, a view of a [B, S, H, D] tensor (`prompt_attention.cpp`)."""
     return torch.ops.moe_cpu.prompt_attention(q_BHSD, k_BGSD, v_BGSD)
+
+
+def glue_runs(native_kernels: bool) -> bool:
+    """A block's glue runs the ops of `block_glue.cpp`: where the model's kernels are native (`KernelChoice.native`),
+    outside a compiled step (inductor fuses torch's ops there, and a traced step takes no op it cannot see into)."""
+    return native_kernels and not torch.compiler.is_compiling()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool) -> torch.Tensor:
+    """RMSNorm of each row in fp32, the weight applied after the cast back (or before it: `weight_in_fp32`)."""
+    return torch.ops.moe_cpu.rms_norm(x, weight, eps, weight_in_fp32)
+
+
+def rotary_into_cache(q_BSHD: torch.Tensor, k_BSGD: torch.Tensor, v_BSGD: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
+    """q and k turned by RoPE (`apply_rotary`'s bits), k and v written into the caches [B, G, L, Dh] at slots
+    start..start+S; the turned q [B, H, S, Dh]."""
+    return torch.ops.moe_cpu.rotary_into_cache(q_BSHD, k_BSGD, v_BSGD, cos, sin, k_cache, v_cache, start)
+
+
+def group_by_expert(x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
+                    n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The copies grouped by expert as a stable sort of their ids groups them: (rows [N, D], copies per expert [E],
+    token [N], router weight [N])."""
+    return torch.ops.moe_cpu.group_by_expert(x_TD, weights_TK, ids_TK, n_experts)
+
+
+def combine(y_ND: torch.Tensor, weight_N: torch.Tensor, token_N: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """[T, D]: each row weighted (rounded to y's dtype) and added to its token's sum in row order
+    (`weighted_sum`'s bits)."""
+    return torch.ops.moe_cpu.combine(y_ND, weight_N, token_N, n_tokens)
+
+
+def count_ids(table: torch.Tensor, row: int, ids: torch.Tensor) -> None:
+    """table[row, id] += 1 for each of `ids`."""
+    torch.ops.moe_cpu.count_ids(table, row, ids)

@@ -7,6 +7,7 @@ load seconds, prefill tokens/s (batch 1 x 512), time to first token, decode toke
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import statistics
 import time
@@ -182,6 +183,10 @@ def products_alone(path: str, dtype: str, threads: int, repeats: int) -> dict:
             return statistics.median(times)
 
         result = {"products_step_s": median_step(step)}
+        ops = decode_step_ops(model.engine)
+        products = sum(n for op, n in ops.items() if op in PRODUCT_OPS)
+        result |= {"eager_ops_per_block": (sum(ops.values()) - products) / cfg.n_layers,
+                   "eager_products_per_block": products / cfg.n_layers}
         if net.norm.weight.device.type == "cpu":
             graphs = []  # called directly, without dynamo, as a compiled decode step calls its graph
             compiled = compile_step(step, net.norm.weight.device,
@@ -191,6 +196,30 @@ def products_alone(path: str, dtype: str, threads: int, repeats: int) -> dict:
             fn, inputs = graphs[-1]
             result["products_compiled_step_s"] = median_step(lambda: fn(*inputs))
     return result
+
+
+PRODUCT_OPS = {"moe_cpu.grouped_matvec", "moe_cpu.grouped_gemm", "aten.linear", "aten.mm", "aten.addmm",
+               "aten._weight_int8pack_mm"}
+
+
+def decode_step_ops(engine) -> collections.Counter:
+    """The torch ops (aten's and ours) of one eager batch-1 decode step after a 4-token prompt, by name: a step's
+    glue is what they are besides the weight products (`PRODUCT_OPS`), each 1-3 us through torch's dispatcher."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: collections.Counter = collections.Counter()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    with torch.inference_mode():
+        engine.start(1, 32, torch.zeros(1, dtype=torch.long))
+        engine.forward_last(torch.tensor([[1, 5, 9, 3]]), 0)
+        with Count():
+            engine.forward_last(torch.tensor([[7]]), 4)
+    return counts
 
 
 class _Clock:

@@ -1,0 +1,220 @@
+// A block's small steps besides its weight products, one op each where eager torch takes several: the norm, the
+// rotary turn of q and k with the cache write, and the mixture's grouping of token copies by expert and its
+// weighted sum back per token. Each op replaces a chain of 5-15 torch ops whose dispatch and temporaries cost more
+// than their arithmetic at decode sizes (8-15 us a chain on a 2-core AMD EPYC Zen 4, against 1-2 us here).
+//
+// Bits: every op but the norm rounds where the torch chain it replaces rounds (the products and sums of bf16
+// values are made in fp32 and rounded to the activations' dtype after each torch op; -ffp-contract=off keeps the
+// compiler from fusing a multiply and an add), so they give that chain's bits. The norm sums its squares in its own
+// order (16 lanes, then the lanes in order), fixed per row whatever the batch; torch's mean sums in another.
+
+#include <ATen/Functions.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int LANES = 16;
+
+template <typename T>
+float sum_of_squares(const T* x, int64_t n) {
+  float lanes[LANES] = {0};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    for (int l = 0; l < LANES; ++l) {
+      const float v = static_cast<float>(x[i + l]);
+      lanes[l] += v * v;
+    }
+  }
+  for (int l = 0; i < n; ++i, ++l) {
+    const float v = static_cast<float>(x[i]);
+    lanes[l] += v * v;
+  }
+  float total = 0.f;
+  for (int l = 0; l < LANES; ++l) total += lanes[l];
+  return total;
+}
+
+// RMSNorm of each row in fp32: y = x / sqrt(mean(x^2) + eps); the weight applied after the cast back to x's dtype
+// (Llama, Mixtral), or before it in fp32 (gpt-oss: `weight_in_fp32`).
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps, bool weight_in_fp32) {
+  TORCH_CHECK(x_in.size(-1) == w_in.numel(), "rms_norm: the weight has ", w_in.numel(), " values for rows of ",
+              x_in.size(-1));
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor w = w_in.to(x.scalar_type()).contiguous();
+  at::Tensor out = at::empty_like(x);
+  const int64_t D = x.size(-1), rows = D ? x.numel() / D : 0;
+  const float eps_f = static_cast<float>(eps);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* row = xp + r * D;
+        const float scale = 1.f / std::sqrt(sum_of_squares(row, D) / static_cast<float>(D) + eps_f);
+        for (int64_t i = 0; i < D; ++i) {
+          const float y = static_cast<float>(row[i]) * scale;
+          op[r * D + i] = weight_in_fp32 ? scalar_t(static_cast<float>(wp[i]) * y)
+                                         : scalar_t(static_cast<float>(wp[i]) * static_cast<float>(scalar_t(y)));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// x [.., Dh] turned by RoPE as torch computes x * cos + cat(-x2, x1) * sin: each product rounded, then the sum.
+template <typename T>
+void turn(const T* x, const T* cos, const T* sin, T* out, int64_t Dh) {
+  const int64_t half = Dh / 2;
+  for (int64_t i = 0; i < Dh; ++i) {
+    const float other = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
+    const T a = T(static_cast<float>(x[i]) * static_cast<float>(cos[i]));
+    const T b = T(other * static_cast<float>(sin[i]));
+    out[i] = T(static_cast<float>(a) + static_cast<float>(b));
+  }
+}
+
+// q [B, S, H, Dh], k and v [B, S, G, Dh] (views: the last dim contiguous), cos and sin [B or 1, 1, S, Dh]: writes
+// the turned k and v into the caches [B, G, L, Dh] at slots start..start+S and returns the turned q [B, H, S, Dh].
+at::Tensor rotary_into_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos_in,
+                             const at::Tensor& sin_in, at::Tensor k_cache, at::Tensor v_cache, int64_t start) {
+  const int64_t B = q.size(0), S = q.size(1), H = q.size(2), Dh = q.size(3), G = k.size(2), L = k_cache.size(2);
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "rotary_into_cache: rows not contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && start + S <= L, "rotary_into_cache: cache");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && cos_in.scalar_type() == q.scalar_type(),
+              "rotary_into_cache: dtypes differ");
+  const at::Tensor cos = cos_in.expand({B, 1, S, Dh}), sin = sin_in.expand({B, 1, S, Dh});
+  TORCH_CHECK(cos.stride(3) == 1 && sin.stride(3) == 1, "rotary_into_cache: tables not contiguous");
+  at::Tensor out = at::empty({B, H, S, Dh}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_into_cache", [&] {
+    const scalar_t *qp = q.data_ptr<scalar_t>(), *kp = k.data_ptr<scalar_t>(), *vp = v.data_ptr<scalar_t>();
+    const scalar_t *cp = cos.data_ptr<scalar_t>(), *sp = sin.data_ptr<scalar_t>();
+    scalar_t *op = out.data_ptr<scalar_t>(), *kc = k_cache.data_ptr<scalar_t>(), *vc = v_cache.data_ptr<scalar_t>();
+    at::parallel_for(0, B * S, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t bs = begin; bs < end; ++bs) {
+        const int64_t b = bs / S, s = bs % S;
+        const scalar_t* c = cp + b * cos.stride(0) + s * cos.stride(2);
+        const scalar_t* n = sp + b * sin.stride(0) + s * sin.stride(2);
+        for (int64_t h = 0; h < H; ++h) {
+          turn(qp + b * q.stride(0) + s * q.stride(1) + h * q.stride(2), c, n, op + ((b * H + h) * S + s) * Dh, Dh);
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t slot = ((b * G + g) * L + start + s) * Dh;
+          turn(kp + b * k.stride(0) + s * k.stride(1) + g * k.stride(2), c, n, kc + slot, Dh);
+          std::memcpy(vc + slot, vp + b * v.stride(0) + s * v.stride(1) + g * v.stride(2), Dh * sizeof(scalar_t));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// The T*K copies of a step's tokens grouped by expert, as a stable sort of their ids does (copies of one expert in
+// token order): (rows [N, D], copies per expert [E], each row's token [N], each row's router weight [N]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_by_expert(const at::Tensor& x_in,
+                                                                            const at::Tensor& weights_in,
+                                                                            const at::Tensor& ids_in,
+                                                                            int64_t n_experts) {
+  const at::Tensor x = x_in.contiguous(), ids = ids_in.contiguous().to(at::kLong);
+  const at::Tensor weights = weights_in.contiguous().to(at::kFloat);
+  const int64_t T = ids.size(0), K = ids.size(1), N = T * K, D = x.size(1);
+  TORCH_CHECK(x.size(0) == T && weights.numel() == N, "group_by_expert: ", T, " tokens, ", x.size(0), " rows");
+  at::Tensor counts = at::zeros({n_experts}, ids.options());
+  at::Tensor token = at::empty({N}, ids.options()), weight = at::empty({N}, weights.options());
+  at::Tensor rows = at::empty({N, D}, x.options());
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  int64_t* cp = counts.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    TORCH_CHECK(idp[n] >= 0 && idp[n] < n_experts, "group_by_expert: expert id ", idp[n], " of ", n_experts);
+    ++cp[idp[n]];
+  }
+  std::vector<int64_t> next(n_experts, 0);
+  for (int64_t e = 1; e < n_experts; ++e) next[e] = next[e - 1] + cp[e - 1];
+  const float* wp = weights.data_ptr<float>();
+  int64_t* tp = token.data_ptr<int64_t>();
+  float* gp = weight.data_ptr<float>();
+  const size_t row_bytes = D * x.element_size();
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  char* rp = static_cast<char*>(rows.data_ptr());
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t at = next[idp[n]]++;
+    tp[at] = n / K;
+    gp[at] = wp[n];
+    std::memcpy(rp + at * row_bytes, xp + (n / K) * row_bytes, row_bytes);
+  }
+  return {rows, counts, token, weight};
+}
+
+// out[token[n]] += round(y[n] * weight[n]) for n in order, summed in fp32 and rounded once to y's dtype: what
+// `(y * w[:, None]).to(y.dtype)` and torch's CPU index_add_ (which sums reduced precision in fp32) compute.
+at::Tensor combine(const at::Tensor& y_in, const at::Tensor& weight_in, const at::Tensor& token_in, int64_t T) {
+  const at::Tensor y = y_in.contiguous(), token = token_in.contiguous(), weight = weight_in.contiguous();
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && token.scalar_type() == at::kLong, "combine: weight, token dtypes");
+  const int64_t N = token.numel(), D = y.size(1);
+  TORCH_CHECK(y.size(0) >= N && weight.numel() == N, "combine: ", y.size(0), " rows for ", N, " copies");
+  const int64_t* tp = token.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n) TORCH_CHECK(tp[n] >= 0 && tp[n] < T, "combine: token ", tp[n], " of ", T);
+  at::Tensor out = at::empty({T, D}, y.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "combine", [&] {
+    const scalar_t* yp = y.data_ptr<scalar_t>();
+    const float* wp = weight.data_ptr<float>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    // columns split between threads: each output value still takes its copies in order
+    at::parallel_for(0, D, N * D > (1 << 16) ? 64 : D, [&](int64_t begin, int64_t end) {
+      std::vector<float> sums(T * (end - begin), 0.f);
+      const int64_t width = end - begin;
+      for (int64_t n = 0; n < N; ++n) {
+        float* s = sums.data() + tp[n] * width;
+        const scalar_t* row = yp + n * D + begin;
+        for (int64_t d = 0; d < width; ++d) s[d] += static_cast<float>(scalar_t(static_cast<float>(row[d]) * wp[n]));
+      }
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t d = 0; d < width; ++d) op[t * D + begin + d] = scalar_t(sums[t * width + d]);
+      }
+    });
+  });
+  return out;
+}
+
+// table[row, id] += 1 for each id: the expert-load counter of a step's copies.
+void count_ids(at::Tensor table, int64_t row, const at::Tensor& ids_in) {
+  TORCH_CHECK(table.is_contiguous() && table.scalar_type() == at::kLong && table.dim() == 2, "count_ids: table");
+  const at::Tensor ids = ids_in.contiguous().to(at::kLong);
+  const int64_t E = table.size(1), N = ids.numel();
+  int64_t* tp = table.data_ptr<int64_t>() + row * E;
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    TORCH_CHECK(ip[n] >= 0 && ip[n] < E, "count_ids: expert id ", ip[n], " of ", E);
+    ++tp[ip[n]];
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(moe_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool weight_in_fp32) -> Tensor");
+  m.def("rotary_into_cache(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, int start) -> Tensor");
+  m.def("group_by_expert(Tensor x, Tensor weights, Tensor ids, int n_experts) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("combine(Tensor y, Tensor weight, Tensor token, int n_tokens) -> Tensor");
+  m.def("count_ids(Tensor(a!) table, int row, Tensor ids) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(moe_cpu, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("rotary_into_cache", rotary_into_cache);
+  m.impl("group_by_expert", group_by_expert);
+  m.impl("combine", combine);
+  m.impl("count_ids", count_ids);
+}
