@@ -7,6 +7,7 @@ Shapes: N grouped copies, D model dim, F expert hidden dim, El experts held here
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ class Glu:
     kind: str = "silu"
     alpha: float = 1.702
     limit: float = 7.0
+    native: bool = False  # an inference model on native kernels: SwiGLU of fused halves in one op, the same bits
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> Glu:
@@ -44,6 +46,8 @@ class Glu:
 
     def halves(self, h: torch.Tensor) -> torch.Tensor:
         """The unit of h [N, 2F], gate columns first (w1 and w3 fused)."""
+        if self.kind == "silu" and native.glue_runs(self.native):
+            return native.silu_mul(h)
         hidden = h.shape[-1] // 2
         return self(h[:, :hidden], h[:, hidden:])
 
@@ -141,6 +145,7 @@ class GroupedExperts(nn.Module):
         if self.kernels is not None or self.w1.is_meta:
             return
         self.choice = choice
+        self.glu = dataclasses.replace(self.glu, native=choice.native)
         if self.b1 is not None:
             self.biases = (with_zero_row(torch.cat([self.b1, self.b3], dim=1)), with_zero_row(self.b2))
         fmt = weights.format_for(self.w1, choice)

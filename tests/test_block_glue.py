@@ -1,11 +1,13 @@
 """A block's glue as native ops (models/kernels/csrc/block_glue.cpp) against the torch chains they replace: RoPE with
-the cache write, the grouping of copies by expert and their weighted sum give those chains' bits; the norm gives
-torch's within rounding, each row's own whatever its batch; an eager model on native kernels runs them."""
+the cache write, the grouping of copies by expert, their weighted sum and the experts' SwiGLU give those chains'
+bits; the norm gives torch's within rounding, each row's own whatever its batch; an eager model on native kernels
+runs them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from models.attention import apply_rotary
 from models.kernels import native
@@ -52,6 +54,16 @@ def test_grouping_and_weighted_sum_give_the_torch_chains_bits(dtype, tokens, top
     assert torch.equal(native.combine(y, weight, token, tokens), weighted_sum(y, Dispatched(token, weight, tokens)))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_of_fused_halves_gives_torchs_bits(dtype):
+    """Widths around torch's loop step (a row's last values go one by one there, with another exp)."""
+    torch.manual_seed(3)
+    step = native.torch_vector_width(dtype)
+    for rows, width in [(1, 1792), (3, 384), (2, step - 1), (5, step + 7), (4, 2 * step + 3), (70, 37)]:
+        h = torch.randn(rows, 2 * width, dtype=dtype) * 4
+        assert torch.equal(native.silu_mul(h), F.silu(h[:, :width]).mul_(h[:, width:])), (rows, width)
+
+
 def test_expert_ids_are_counted_and_checked():
     table = torch.zeros(2, 5, dtype=torch.long)
     native.count_ids(table, 1, torch.tensor([[1, 3], [3, 4]]))
@@ -82,7 +94,7 @@ def test_an_eager_model_on_native_kernels_runs_the_glue_and_keeps_the_torch_answ
             MoEModel.from_pretrained(path, compile=False, cpu_kernels="torch") as plain:
         ops = decode_step_ops(ours.engine)
         blocks = ours.config.n_layers
-        for op in ("rms_norm", "rotary_into_cache", "group_by_expert", "combine", "count_ids"):
+        for op in ("rms_norm", "rotary_into_cache", "group_by_expert", "combine", "count_ids", "silu_mul"):
             assert ops[f"moe_cpu.{op}"] >= blocks, op
         assert not decode_step_ops(plain.engine)["moe_cpu.rms_norm"]
         ours_out = ours.generate(prompt, max_new_tokens=8, ignore_eos=True)

@@ -272,3 +272,15 @@ def combine(y_ND: torch.Tensor, weight_N: torch.Tensor, token_N: torch.Tensor, n
 def count_ids(table: torch.Tensor, row: int, ids: torch.Tensor) -> None:
     """table[row, id] += 1 for each of `ids`."""
     torch.ops.moe_cpu.count_ids(table, row, ids)
+
+
+def silu_mul(h_NF2: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of h [N, 2F], gate columns first: `F.silu(gate).mul_(up)`'s bits (`torch_vector_width`)."""
+    return torch.ops.moe_cpu.silu_mul(h_NF2, torch_vector_width(h_NF2.dtype))
+
+
+@functools.cache
+def torch_vector_width(dtype: torch.dtype) -> int:
+    """Values of `dtype` that torch's CPU elementwise loop takes at once, two of its vectors (64 bytes each with
+    AVX-512, else 32): the last values of a row, past a multiple of it, go one by one."""
+    return 2 * (64 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 32) // dtype.itemsize

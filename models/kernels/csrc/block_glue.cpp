@@ -17,7 +17,14 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
+
+#include "int8_rows.h"  // MOE_MATVEC_AVX2
+
+#ifdef MOE_MATVEC_AVX2
+#include <sleef.h>
+#endif
 #include <tuple>
 #include <vector>
 
@@ -50,7 +57,8 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps, 
   TORCH_CHECK(x_in.size(-1) == w_in.numel(), "rms_norm: the weight has ", w_in.numel(), " values for rows of ",
               x_in.size(-1));
   const at::Tensor x = x_in.contiguous();
-  const at::Tensor w = w_in.to(x.scalar_type()).contiguous();
+  TORCH_CHECK(w_in.scalar_type() == x.scalar_type(), "rms_norm: the weight's dtype is not the rows'");
+  const at::Tensor w = w_in.contiguous();
   at::Tensor out = at::empty_like(x);
   const int64_t D = x.size(-1), rows = D ? x.numel() / D : 0;
   const float eps_f = static_cast<float>(eps);
@@ -126,8 +134,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_by_expert(const
                                                                             const at::Tensor& weights_in,
                                                                             const at::Tensor& ids_in,
                                                                             int64_t n_experts) {
-  const at::Tensor x = x_in.contiguous(), ids = ids_in.contiguous().to(at::kLong);
-  const at::Tensor weights = weights_in.contiguous().to(at::kFloat);
+  TORCH_CHECK(ids_in.scalar_type() == at::kLong && weights_in.scalar_type() == at::kFloat,
+              "group_by_expert: ids are long, weights fp32");
+  const at::Tensor x = x_in.contiguous(), ids = ids_in.contiguous(), weights = weights_in.contiguous();
   const int64_t T = ids.size(0), K = ids.size(1), N = T * K, D = x.size(1);
   TORCH_CHECK(x.size(0) == T && weights.numel() == N, "group_by_expert: ", T, " tokens, ", x.size(0), " rows");
   at::Tensor counts = at::zeros({n_experts}, ids.options());
@@ -187,10 +196,79 @@ at::Tensor combine(const at::Tensor& y_in, const at::Tensor& weight_in, const at
   return out;
 }
 
+inline float silu(float x) { return x / (1.f + std::exp(-x)); }
+
+inline float rounded(float v, float) { return v; }
+inline float rounded(float v, c10::BFloat16) { return static_cast<float>(c10::BFloat16(v)); }
+
+#ifdef MOE_MATVEC_AVX2
+// silu of 8 values in fp32 as torch's vectorized silu takes it: x / (1 + exp(-x)), exp SLEEF's (1 ulp)
+inline __m256 silu8(__m256 x) {
+  const __m256 e = Sleef_expf8_u10(_mm256_sub_ps(_mm256_setzero_ps(), x));
+  return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+}
+
+inline __m256 rounded8(__m256 v, float) { return v; }
+inline __m256 rounded8(__m256 v, c10::BFloat16) {  // to the nearest bf16, ties to even, as c10::BFloat16(float)
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+  const __m256 r = _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  return _mm256_blendv_ps(r, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) {  // v holds bf16 values: their upper halves
+  const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+#endif
+
+template <typename T>
+void silu_mul_rows(const T* hp, T* op, int64_t N, int64_t F, int64_t vectored) {
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(F, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T *gate = hp + r * 2 * F, *up = gate + F;
+      T* o = op + r * F;
+      int64_t i = 0;
+#ifdef MOE_MATVEC_AVX2
+      for (; i < vectored; i += 8) {
+        const __m256 s = rounded8(silu8(moe_cpu::load_floats(gate + i)), T());
+        store8(o + i, rounded8(_mm256_mul_ps(s, moe_cpu::load_floats(up + i)), T()));
+      }
+#endif
+      for (; i < F; ++i) o[i] = T(rounded(silu(static_cast<float>(gate[i])), T()) * static_cast<float>(up[i]));
+    }
+  });
+}
+
+// h [N, 2F] (fp32 or bf16), gate columns first: silu(gate) rounded to h's dtype, times up, rounded
+// (`F.silu(gate).mul_(up)`). torch takes the first F - F % `width` values of a row in vectors (exp: SLEEF's), the
+// rest one by one (std::exp); so here.
+at::Tensor silu_mul(const at::Tensor& h_in, int64_t width) {
+  const at::Tensor h = h_in.contiguous();
+  const int64_t N = h.size(0), F = h.size(1) / 2;
+#ifdef MOE_MATVEC_AVX2
+  const int64_t vectored = F - F % std::max<int64_t>(width, 8);  // a multiple of 8
+#else
+  const int64_t vectored = 0;  // std::exp throughout: bits that differ from torch's (a build the models never run)
+#endif
+  at::Tensor out = at::empty({N, F}, h.options());
+  if (h.scalar_type() == at::kBFloat16) {
+    silu_mul_rows(h.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), N, F, vectored);
+  } else {
+    TORCH_CHECK(h.scalar_type() == at::kFloat, "silu_mul: fp32 or bf16 rows");
+    silu_mul_rows(h.data_ptr<float>(), out.data_ptr<float>(), N, F, vectored);
+  }
+  return out;
+}
+
 // table[row, id] += 1 for each id: the expert-load counter of a step's copies.
 void count_ids(at::Tensor table, int64_t row, const at::Tensor& ids_in) {
   TORCH_CHECK(table.is_contiguous() && table.scalar_type() == at::kLong && table.dim() == 2, "count_ids: table");
-  const at::Tensor ids = ids_in.contiguous().to(at::kLong);
+  TORCH_CHECK(ids_in.scalar_type() == at::kLong, "count_ids: ids are long");
+  const at::Tensor ids = ids_in.contiguous();
   const int64_t E = table.size(1), N = ids.numel();
   int64_t* tp = table.data_ptr<int64_t>() + row * E;
   const int64_t* ip = ids.data_ptr<int64_t>();
@@ -209,6 +287,7 @@ TORCH_LIBRARY_FRAGMENT(moe_cpu, m) {
   m.def("group_by_expert(Tensor x, Tensor weights, Tensor ids, int n_experts) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("combine(Tensor y, Tensor weight, Tensor token, int n_tokens) -> Tensor");
   m.def("count_ids(Tensor(a!) table, int row, Tensor ids) -> ()");
+  m.def("silu_mul(Tensor h, int width) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(moe_cpu, CPU, m) {
@@ -217,4 +296,5 @@ TORCH_LIBRARY_IMPL(moe_cpu, CPU, m) {
   m.impl("group_by_expert", group_by_expert);
   m.impl("combine", combine);
   m.impl("count_ids", count_ids);
+  m.impl("silu_mul", silu_mul);
 }
