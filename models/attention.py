@@ -26,6 +26,7 @@ from models.config import ModelConfig
 from models.kernels import choice as kc
 from models.kernels import native
 from models.kernels.choice import KernelChoice
+from models.kv_cache import KVCache
 from models.norms import RMSNorm
 from models.rope import frequencies_for_length, inverse_frequencies
 from models.sinks import sink_attention
@@ -202,56 +203,6 @@ class AttentionContext:
         return ctx
 
 
-class KVCache:
-    """Preallocated keys and values [B, G, L, Dh] of one attention block (latent attention: its latents and rotary
-    keys, `models.latent`, of widths Dh and `v_dim`). Not a module: a compiled step takes them as inputs, never as
-    the model's state (a frozen step would bake a request's cache into its graph)."""
-
-    def __init__(self, batch: int, n_kv_heads: int, length: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str, v_dim: int | None = None) -> None:
-        self.k = torch.zeros((batch, n_kv_heads, length, head_dim), dtype=dtype, device=device)
-        self.v = torch.zeros((batch, n_kv_heads, length, v_dim or head_dim), dtype=dtype, device=device)
-
-    @classmethod
-    def of(cls, cfg: ModelConfig, batch: int, length: int, dtype: torch.dtype, device: torch.device | str,
-           kv_heads: int | None = None) -> KVCache:
-        """A block's cache under this config: `kv_heads` (default all) of keys and values, or, with latent attention,
-        one latent and one rotary key per token whatever the heads."""
-        if cfg.latent:
-            return cls(batch, 1, length, cfg.kv_lora_rank, dtype, device, cfg.head_dim)
-        return cls(batch, kv_heads or cfg.n_kv_heads, length, cfg.head_dim, dtype, device)
-
-    @staticmethod
-    def bytes_per_token(cfg: ModelConfig, element: int, kv_heads: int | None = None) -> int:
-        """What one token adds to one block's cache."""
-        if cfg.latent:
-            return (cfg.kv_lora_rank + cfg.head_dim) * element
-        return 2 * (kv_heads or cfg.n_kv_heads) * cfg.head_dim * element
-
-    def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        end = start + k.shape[2]
-        if end > self.k.shape[2]:
-            raise ValueError(f"KV cache holds {self.k.shape[2]} positions, asked to write up to {end}")
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]
-
-    def turn_into(self, start: int, q_BSHD: torch.Tensor, k_BSGD: torch.Tensor, v_BSGD: torch.Tensor,
-                  cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`update` with q and k turned by RoPE on the way, in one native op: (q [B, H, S, Dh], k, v)."""
-        end = start + k_BSGD.shape[1]
-        if end > self.k.shape[2]:
-            raise ValueError(f"KV cache holds {self.k.shape[2]} positions, asked to write up to {end}")
-        q = native.rotary_into_cache(q_BSHD, k_BSGD, v_BSGD, cos, sin, self.k, self.v, start)
-        return q, self.k[:, :, :end], self.v[:, :, :end]
-
-    def write_at(self, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One position at `slot` ([1] long tensor): every shape static; the whole cache is returned."""
-        self.k.index_copy_(2, slot, k)
-        self.v.index_copy_(2, slot, v)
-        return self.k, self.v
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
@@ -291,18 +242,33 @@ class Attention(nn.Module):
         return (self.choice is not None and native.glue_runs(self.choice.native) and cache.k.is_contiguous()
                 and cache.k.dtype == q.dtype == ctx.cos.dtype)
 
+    def attends_in_one_op(self, x_BSD: torch.Tensor, ctx: AttentionContext, cache: KVCache | None) -> bool:
+        """A decode step's attention runs as one native op (`native.attend_one`): one token per sequence, written
+        at an int slot, in a family without clipping, a q scale, sinks or norms over whole projections."""
+        return (x_BSD.shape[1] == 1 and cache is not None and ctx.slot is None and self.wqkv is not None
+                and self.sinks is None and self.q_scale is None and self.clip is None and self.qk_norm != "projection"
+                and self.glue_runs(cache, x_BSD, ctx)
+                and (not self.qk_norm or (self.q_norm.native and self.q_norm.weight.dtype == x_BSD.dtype)))
+
+    def qkv(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        """The fused q/k/v product [B, S, (H + 2G) Dh], with its bias (an inference model)."""
+        qkv = self.wqkv(x_BSD)
+        return qkv if self.qkv_bias is None else qkv + self.qkv_bias
+
     def project_qkv(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.wqkv is None:
             return self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        qkv = self.wqkv(x_BSD)
-        if self.qkv_bias is not None:
-            qkv = qkv + self.qkv_bias
-        return qkv.split((q_size, kv_size, kv_size), dim=-1)
+        return self.qkv(x_BSD).split((q_size, kv_size, kv_size), dim=-1)
 
     def forward(self, x_BSD: torch.Tensor, ctx: AttentionContext, cache: KVCache | None) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         ctx = ctx.for_block(self.full)
+        if self.attends_in_one_op(x_BSD, ctx, cache):  # the ops below in one call, their bits
+            cache.check_room(ctx.start + 1)
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
+            return self.wo(native.attend_one(self.qkv(x_BSD), self.n_heads, self.n_kv_heads, *norms, ctx.cos, ctx.sin,
+                                             cache.k, cache.v, ctx.start, ctx.mask))
         q, k, v = self.project_qkv(x_BSD)
         if self.qk_norm == "projection":
             q, k = self.q_norm(q), self.k_norm(k)

@@ -18,10 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.attention import AttentionContext, KVCache, apply_rotary
+from models.attention import AttentionContext, apply_rotary
 from models.basic import Linear
 from models.config import ModelConfig
 from models.kernels.choice import KernelChoice
+from models.kv_cache import KVCache
 from models.norms import RMSNorm
 
 

@@ -88,7 +88,7 @@ def describe(uses: list[MemoryUse]) -> str:
 
 def check_kv_cache(cfg, info, engine, batch: int, length: int) -> None:
     """Refuse, before any memory is taken, a request whose KV cache cannot fit where it would live."""
-    from models.attention import KVCache
+    from models.kv_cache import KVCache
     from moe.checkpoint.loader import activation_dtype
 
     need = batch * length * cfg.n_layers * KVCache.bytes_per_token(cfg, activation_dtype(info.dtype).itemsize)

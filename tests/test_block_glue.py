@@ -94,8 +94,39 @@ def test_an_eager_model_on_native_kernels_runs_the_glue_and_keeps_the_torch_answ
             MoEModel.from_pretrained(path, compile=False, cpu_kernels="torch") as plain:
         ops = decode_step_ops(ours.engine)
         blocks = ours.config.n_layers
-        for op in ("rms_norm", "rotary_into_cache", "group_by_expert", "combine", "count_ids", "silu_mul"):
+        for op in ("rms_norm", "attend_one", "group_by_expert", "combine", "count_ids", "silu_mul"):
             assert ops[f"moe_cpu.{op}"] >= blocks, op
         assert not decode_step_ops(plain.engine)["moe_cpu.rms_norm"]
         ours_out = ours.generate(prompt, max_new_tokens=8, ignore_eos=True)
         assert ours_out == plain.generate(prompt, max_new_tokens=8, ignore_eos=True)
+
+
+def _decode_logits(model: MoEModel, steps: int = 4) -> list[torch.Tensor]:
+    """A padded batch of two prompts, then `steps` greedy decode steps: each step's logits."""
+    engine, prompts = model.engine, torch.tensor([[0, 0, 5, 9, 3], [1, 7, 2, 8, 4]])
+    with torch.inference_mode():
+        engine.start(2, 32, torch.tensor([2, 0]))
+        logits = [engine.forward_last(prompts, 0)]
+        for i in range(steps):
+            logits.append(engine.forward_last(logits[-1].argmax(-1, keepdim=True), prompts.shape[1] + i))
+    return logits
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])  # qwen3_moe: per-head q/k norms, head_dim != dim/heads
+def test_a_decode_steps_attention_in_one_op_gives_the_ops_bits(name, dtype, tmp_path, monkeypatch):
+    from models.attention import Attention
+
+    path = SHIPPED
+    if name != "mixtral":
+        from tests.test_families import hf_family
+
+        path = tmp_path / name
+        hf_family(name).save_pretrained(path)
+    with MoEModel.from_pretrained(path, dtype=dtype, compile=False) as model:
+        assert decode_step_ops(model.engine)["moe_cpu.attend_one"] == model.config.n_layers
+        fused = _decode_logits(model)
+        monkeypatch.setattr(Attention, "attends_in_one_op", lambda *args: False)
+        assert not decode_step_ops(model.engine)["moe_cpu.attend_one"]
+        for one_op, op_by_op in zip(fused, _decode_logits(model), strict=True):
+            assert torch.equal(one_op, op_by_op)

@@ -19,7 +19,8 @@ gives 127-149; `prompt_gemm.cpp` has the figures).
 `decode_attention(q, k, v, mask)`: SDPA of one query per sequence, in fp32, reading only the visible cache slots.
 `prompt_attention(q, k, v)`: causal SDPA of a prompt from the first slot, in fp32 (`prompt_attention_runs`).
 A block's steps between its products, an op each where eager torch takes several (`block_glue.cpp`): `rms_norm`,
-`rotary_into_cache`, `group_by_expert`, `combine`, `count_ids`; an eager model runs them where `glue_runs`.
+`rotary_into_cache`, `group_by_expert`, `combine`, `count_ids`, `silu_mul`, and `attend_one` (a decode step's
+attention from its q/k/v product); an eager model runs them where `glue_runs`.
 `available()` builds the kernels on first use (torch.utils.cpp_extension: a C++ compiler and ninja; 20-40 s,
 once per torch installation, kept in torch's extension cache) and says whether it can run; without it the
 weights fall back to oneDNN or torch's products.
@@ -40,7 +41,8 @@ import torch
 # decode step's attention, a prompt's, a block's steps between its products.
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("matvec.cpp", "prompt_gemm.cpp", "int8_rows.h", "row_dot.h", "pair_dot.h", "gemm_micro.h",
-                        "gemm_layout.h", "decode_attention.cpp", "prompt_attention.cpp", "block_glue.cpp")]
+                        "gemm_layout.h", "decode_attention.cpp", "prompt_attention.cpp", "block_glue.h",
+                        "block_glue.cpp")]
 # Up to this many rows per weight the kernel runs (a decode step, small batches); more rows (prompts) are bound
 # by arithmetic and go to the prompt kernel (or oneDNN, MKL where it does not run).
 MAX_ROWS = 8
@@ -284,3 +286,12 @@ def torch_vector_width(dtype: torch.dtype) -> int:
     """Values of `dtype` that torch's CPU elementwise loop takes at once, two of its vectors (64 bytes each with
     AVX-512, else 32): the last values of a row, past a multiple of it, go one by one."""
     return 2 * (64 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 32) // dtype.itemsize
+
+
+def attend_one(qkv_B1W: torch.Tensor, heads: int, kv_heads: int, q_norm: torch.Tensor | None,
+               k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, start: int, mask: torch.Tensor | None) -> torch.Tensor:
+    """A decode step's attention from its q/k/v product [B, 1, (H + 2G) Dh]: per-head norms (where given),
+    `rotary_into_cache` at `start`, `decode_attention` over slots 0..start; [B, 1, H Dh], the bits of those ops."""
+    return torch.ops.moe_cpu.attend_one(qkv_B1W, heads, kv_heads, q_norm, k_norm, eps, cos, sin, k_cache, v_cache,
+                                        start, mask)

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from models.attention import KVCache
+from models.kv_cache import KVCache
 from models.router import Router
 from models.transformer import Transformer
 from moe.engine.compiled import CACHE_BUCKET

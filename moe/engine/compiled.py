@@ -34,7 +34,7 @@ import inspect
 
 import torch
 
-from models.attention import KVCache
+from models.kv_cache import KVCache
 from models.router import Router
 from models.transformer import Transformer
 

@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 import torch
 
-from models.attention import KVCache, Padding
+from models.attention import Padding
+from models.kv_cache import KVCache
 from models.transformer import Transformer
 from moe.checkpoint.distributed_save import save_distributed
 from moe.engine.ahead import AheadDecode, ahead_compilable

@@ -17,7 +17,8 @@ from collections.abc import Callable
 
 import torch
 
-from models.attention import AttentionContext, KVCache, Padding
+from models.attention import AttentionContext, Padding
+from models.kv_cache import KVCache
 from models.transformer import Transformer, real_token_rows
 from moe.checkpoint.distributed_save import save_distributed
 from moe.engine.rows import Rows, balanced, homed

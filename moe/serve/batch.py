@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.attention import KVCache, Padding
+from models.attention import Padding
+from models.kv_cache import KVCache
 from moe.engine.rows import least_loaded
 from moe.generation import SamplingParams, left_pad
 from moe.generation.sampler import Sampler

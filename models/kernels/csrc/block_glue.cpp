@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "block_glue.h"
 #include "int8_rows.h"  // MOE_MATVEC_AVX2
 
 #ifdef MOE_MATVEC_AVX2
@@ -51,9 +52,11 @@ float sum_of_squares(const T* x, int64_t n) {
   return total;
 }
 
+}  // namespace
+
 // RMSNorm of each row in fp32: y = x / sqrt(mean(x^2) + eps); the weight applied after the cast back to x's dtype
 // (Llama, Mixtral), or before it in fp32 (gpt-oss: `weight_in_fp32`).
-at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps, bool weight_in_fp32) {
+at::Tensor moe_cpu::rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps, bool weight_in_fp32) {
   TORCH_CHECK(x_in.size(-1) == w_in.numel(), "rms_norm: the weight has ", w_in.numel(), " values for rows of ",
               x_in.size(-1));
   const at::Tensor x = x_in.contiguous();
@@ -81,6 +84,8 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps, 
   return out;
 }
 
+namespace {
+
 // x [.., Dh] turned by RoPE as torch computes x * cos + cat(-x2, x1) * sin: each product rounded, then the sum.
 template <typename T>
 void turn(const T* x, const T* cos, const T* sin, T* out, int64_t Dh) {
@@ -93,10 +98,13 @@ void turn(const T* x, const T* cos, const T* sin, T* out, int64_t Dh) {
   }
 }
 
+}  // namespace
+
 // q [B, S, H, Dh], k and v [B, S, G, Dh] (views: the last dim contiguous), cos and sin [B or 1, 1, S, Dh]: writes
 // the turned k and v into the caches [B, G, L, Dh] at slots start..start+S and returns the turned q [B, H, S, Dh].
-at::Tensor rotary_into_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos_in,
-                             const at::Tensor& sin_in, at::Tensor k_cache, at::Tensor v_cache, int64_t start) {
+at::Tensor moe_cpu::rotary_into_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor k_cache,
+                                      at::Tensor v_cache, int64_t start) {
   const int64_t B = q.size(0), S = q.size(1), H = q.size(2), Dh = q.size(3), G = k.size(2), L = k_cache.size(2);
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "rotary_into_cache: rows not contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && start + S <= L, "rotary_into_cache: cache");
@@ -126,6 +134,33 @@ at::Tensor rotary_into_cache(const at::Tensor& q, const at::Tensor& k, const at:
     });
   });
   return out;
+}
+
+namespace {
+
+// A decode step's attention from its fused q/k/v product qkv [B, 1, (H + 2G) Dh]: q and k normalised per head where
+// the family does (`q_norm`, `k_norm`), turned by RoPE, k and v written into the caches at `start`, one query per
+// sequence against slots 0..start (`mask`: [B or 1, 1, 1, start + 1]); [B, 1, H Dh]. The ops the modular path
+// calls one by one, in one call: the same bits.
+at::Tensor attend_one(const at::Tensor& qkv, int64_t H, int64_t G, const std::optional<at::Tensor>& q_norm,
+                      const std::optional<at::Tensor>& k_norm, double eps, const at::Tensor& cos,
+                      const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, int64_t start,
+                      const std::optional<at::Tensor>& mask) {
+  const int64_t B = qkv.size(0), Dh = k_cache.size(3);
+  TORCH_CHECK(qkv.dim() == 3 && qkv.size(1) == 1 && qkv.size(2) == (H + 2 * G) * Dh,
+              "attend_one: qkv [B, 1, (H + 2G) Dh], got ", qkv.sizes());
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "attend_one: both norms or neither");
+  const at::Tensor heads = qkv.view({B, 1, H + 2 * G, Dh});
+  at::Tensor q = heads.narrow(2, 0, H), k = heads.narrow(2, H, G);
+  if (q_norm.has_value()) {
+    q = moe_cpu::rms_norm(q, *q_norm, eps, false);
+    k = moe_cpu::rms_norm(k, *k_norm, eps, false);
+  }
+  const at::Tensor turned =
+      moe_cpu::rotary_into_cache(q, k, heads.narrow(2, H + G, G), cos, sin, k_cache, v_cache, start);
+  const at::Tensor out = moe_cpu::decode_attention(turned, k_cache.narrow(2, 0, start + 1),
+                                                   v_cache.narrow(2, 0, start + 1), mask);
+  return out.view({B, 1, H * Dh});  // [B, H, 1, Dh] holds each sequence's heads in a row
 }
 
 // The T*K copies of a step's tokens grouped by expert, as a stable sort of their ids does (copies of one expert in
@@ -288,13 +323,16 @@ TORCH_LIBRARY_FRAGMENT(moe_cpu, m) {
   m.def("combine(Tensor y, Tensor weight, Tensor token, int n_tokens) -> Tensor");
   m.def("count_ids(Tensor(a!) table, int row, Tensor ids) -> ()");
   m.def("silu_mul(Tensor h, int width) -> Tensor");
+  m.def("attend_one(Tensor qkv, int H, int G, Tensor? q_norm, Tensor? k_norm, float eps, Tensor cos, Tensor sin, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, int start, Tensor? mask) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(moe_cpu, CPU, m) {
-  m.impl("rms_norm", rms_norm);
-  m.impl("rotary_into_cache", rotary_into_cache);
+  m.impl("rms_norm", moe_cpu::rms_norm);
+  m.impl("rotary_into_cache", moe_cpu::rotary_into_cache);
   m.impl("group_by_expert", group_by_expert);
   m.impl("combine", combine);
   m.impl("count_ids", count_ids);
   m.impl("silu_mul", silu_mul);
+  m.impl("attend_one", attend_one);
 }

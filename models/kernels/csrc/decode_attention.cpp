@@ -18,6 +18,7 @@
 #include <limits>
 #include <vector>
 
+#include "block_glue.h"
 #include "row_dot.h"
 
 #ifdef MOE_MATVEC_AVX2
@@ -96,8 +97,10 @@ void run(const float* qp, const at::Tensor& k, const at::Tensor& v, const bool* 
   });
 }
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const std::optional<at::Tensor>& mask) {
+}  // namespace
+
+at::Tensor moe_cpu::decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const std::optional<at::Tensor>& mask) {
   TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
                   q.size(3) == k.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
               "decode_attention: q [B, H, 1, D] and k, v [B, G, L, D] with G dividing H, got ", q.sizes(), ", ",
@@ -142,10 +145,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(moe_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(moe_cpu, CPU, m) { m.impl("decode_attention", decode_attention); }
+TORCH_LIBRARY_IMPL(moe_cpu, CPU, m) { m.impl("decode_attention", moe_cpu::decode_attention); }
