@@ -49,7 +49,7 @@ class LinearWeight:
 def float_product(path: str, x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x2 [N, in] @ weight.T by the product `path` names (`KernelChoice.product`), for a plain fp32/bf16 weight."""
     if path == kc.NATIVE_DECODE:
-        return native.grouped(x2, weight[None])
+        return native.grouped(x2, weight)
     if path == kc.NATIVE_PROMPT:
         return native.prompt_grouped(x2, weight[None])
     if path == kc.ONEDNN:  # the plain weight: 0-35% slower than the packed layout from 64 rows on, one copy held
@@ -69,9 +69,11 @@ class Dense(LinearWeight):
         self.choice, self.max_rows = choice, max_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        path = self.choice.product(x.numel() // x.shape[-1], self.max_rows)
+        if path == kc.NATIVE_DECODE:  # rows as they come, no reshape and view around the product
+            return native.grouped(x, self.weight)
         x2 = x.reshape(-1, x.shape[-1])
-        out = float_product(self.choice.product(x2.shape[0], self.max_rows), x2, self.weight)
-        return out.view(*x.shape[:-1], self.out_features)
+        return float_product(path, x2, self.weight).view(*x.shape[:-1], self.out_features)
 
     def dense(self) -> torch.Tensor:
         return self.weight
@@ -108,11 +110,11 @@ class Int8(LinearWeight):
         return cls(*quantize(weight), weight.dtype, choice or kc.choose("auto", weight.device, weight.dtype, True))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        path = self.choice.product(x.numel() // x.shape[-1])
+        if path == kc.NATIVE_DECODE:  # rows as they come, no reshape and view around the product
+            return native.grouped(x, self.q, None, self.scale32)
         x2 = x.reshape(-1, x.shape[-1])
-        path = self.choice.product(x2.shape[0])
-        if path == kc.NATIVE_DECODE:
-            out = native.grouped(x2, self.q[None], None, self.scale32[None])
-        elif path == kc.NATIVE_PROMPT:  # the same bits per row as the decode kernel's
+        if path == kc.NATIVE_PROMPT:  # the same bits per row as the decode kernel's
             out = native.prompt_grouped(x2, self.q[None], None, self.scale32[None])
         elif path == kc.INT8_KERNEL:  # torch's weight-only kernel: the int8 weight read as it is
             out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.q, self.scale)

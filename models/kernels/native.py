@@ -193,7 +193,7 @@ def _register_fake() -> None:
     """Shapes for torch.compile: the op's output is [N, out] in the activations' dtype."""
     @torch.library.register_fake("moe_cpu::grouped_matvec")
     def _(x, w, counts, scale):
-        return x.new_empty((x.shape[0], w.shape[1]))
+        return x.new_empty((*x.shape[:-1], w.shape[-2]))
 
     @torch.library.register_fake("moe_cpu::grouped_gemm")
     def _(x, w, counts, scale):
@@ -217,7 +217,8 @@ def takes(rows: int, limit: int = MAX_ROWS) -> bool:
 
 def grouped(x_ND: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor | None = None,
             scale_EO: torch.Tensor | None = None) -> torch.Tensor:
-    """[N, out] in x's dtype; `counts_E` may be None for one weight (E = 1) and all rows."""
+    """[N, out] in x's dtype; `counts_E` may be None for one weight (E = 1) and all rows. One weight [out, in]
+    (its scale [out]) takes rows [..., in] and gives [..., out]."""
     return torch.ops.moe_cpu.grouped_matvec(x_ND, w_EOI, counts_E, scale_EO)
 
 

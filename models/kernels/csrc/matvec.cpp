@@ -214,13 +214,19 @@ PairRows pair_rows(const at::Tensor& x, const Widen& fp32_rows, int64_t n, int64
   return {split.data(), nullptr, in};
 }
 
-at::Tensor grouped_matvec(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& counts,
+at::Tensor grouped_matvec(const at::Tensor& x_in, const at::Tensor& w, const std::optional<at::Tensor>& counts,
                           const std::optional<at::Tensor>& scale) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(2),
-              "grouped_matvec: x [N, in] and w [E, out, in], got ", x.sizes(), " and ", w.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "grouped_matvec: x fp32 or bf16");
+  // One weight [out, in] takes rows [..., in] as they come (a decode step's [B, 1, D]): no reshape and view around
+  // the call, each an op through the dispatcher.
+  const bool one = w.dim() == 2 && !counts.has_value();
+  TORCH_CHECK(((x_in.dim() == 2 && w.dim() == 3) || (one && x_in.dim() >= 2)) && x_in.size(-1) == w.size(-1),
+              "grouped_matvec: x [N, in] and w [E, out, in] (or x [..., in] and w [out, in]), got ", x_in.sizes(),
+              " and ", w.sizes());
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
+              "grouped_matvec: x fp32 or bf16");
   TORCH_CHECK(w.is_contiguous(), "grouped_matvec: w must be contiguous");
-  const int64_t n = x.size(0), experts = w.size(0), out_features = w.size(1), in_features = w.size(2);
+  const at::Tensor x = x_in.dim() == 2 ? x_in : x_in.reshape({-1, x_in.size(-1)});
+  const int64_t n = x.size(0), experts = one ? 1 : w.size(0), out_features = w.size(-2), in_features = w.size(-1);
   std::vector<Group> groups;
   if (counts.has_value()) {
     TORCH_CHECK(counts->dim() == 1 && counts->size(0) == experts && counts->scalar_type() == at::kLong,
@@ -240,7 +246,7 @@ at::Tensor grouped_matvec(const at::Tensor& x, const at::Tensor& w, const std::o
   const float* sp = nullptr;
   at::Tensor s;
   if (scale.has_value()) {
-    s = scale->to(at::kFloat).contiguous();
+    s = (scale->scalar_type() == at::kFloat ? *scale : scale->to(at::kFloat)).contiguous();
     TORCH_CHECK(s.numel() == experts * out_features, "grouped_matvec: scale [E, out]");
     sp = s.data_ptr<float>();
   }
@@ -276,7 +282,10 @@ at::Tensor grouped_matvec(const at::Tensor& x, const at::Tensor& w, const std::o
     }
     default: TORCH_CHECK(false, "grouped_matvec: weights fp32, bf16 or int8, got ", w.scalar_type());
   }
-  return y;
+  if (x_in.dim() == 2) return y;
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = out_features;
+  return y.view(shape);
 }
 
 }  // namespace
