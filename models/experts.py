@@ -106,7 +106,8 @@ class GroupedExperts(nn.Module):
         path = self.choice.product(x_ND.shape[0], native.EXPERT_MAX_ROWS) if self.choice else None
         if self.stacks is not None and path in (kc.NATIVE_DECODE, kc.NATIVE_PROMPT):
             # dtype given: a rank holding none of the block's experts gets [] from the all-to-all (torch: float)
-            counts = torch.as_tensor(counts_El, dtype=torch.long, device=x_ND.device)
+            counts = counts_El if isinstance(counts_El, torch.Tensor) and counts_El.dtype == torch.long else \
+                torch.as_tensor(counts_El, dtype=torch.long, device=x_ND.device)
             return self.streamed_forward(x_ND, counts, native.grouped if path == kc.NATIVE_DECODE
                                          else native.prompt_grouped)
         if self.offsets_on_device and self.stacks is not None and isinstance(counts_El, torch.Tensor):

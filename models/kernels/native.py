@@ -209,6 +209,19 @@ def _register_fake() -> None:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+class _Ops:
+    """The kernels' ops (their one overload each), found once: `torch.ops.moe_cpu.name` looks each up again at every
+    call, 0.3 us of the 1.2-1.5 us that calling one from Python costs."""
+
+    def __getattr__(self, name: str):
+        op = getattr(torch.ops.moe_cpu, name).default
+        setattr(self, name, op)
+        return op
+
+
+_ops = _Ops()
+
+
 def takes(rows: int, limit: int = MAX_ROWS) -> bool:
     """A product of `rows` rows runs the kernel: up to `limit`, and any number inside a compiled step, where the
     other paths (oneDNN's opaque weights, a host read of the experts' counts) would break the graph."""
@@ -219,26 +232,26 @@ def grouped(x_ND: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor | No
             scale_EO: torch.Tensor | None = None) -> torch.Tensor:
     """[N, out] in x's dtype; `counts_E` may be None for one weight (E = 1) and all rows. One weight [out, in]
     (its scale [out]) takes rows [..., in] and gives [..., out]."""
-    return torch.ops.moe_cpu.grouped_matvec(x_ND, w_EOI, counts_E, scale_EO)
+    return _ops.grouped_matvec(x_ND, w_EOI, counts_E, scale_EO)
 
 
 def decode_attention(q_BH1D: torch.Tensor, k_BGLD: torch.Tensor, v_BGLD: torch.Tensor,
                      mask_B11L: torch.Tensor | None) -> torch.Tensor:
     """SDPA of one query per sequence (scale 1/sqrt(D), heads grouped over the key heads), in fp32, reading only
     the keys the mask lets through; [B, H, 1, D] in q's dtype (`decode_attention.cpp`)."""
-    return torch.ops.moe_cpu.decode_attention(q_BH1D, k_BGLD, v_BGLD, mask_B11L)
+    return _ops.decode_attention(q_BH1D, k_BGLD, v_BGLD, mask_B11L)
 
 
 def prompt_grouped(x_ND: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor | None = None,
                    scale_EO: torch.Tensor | None = None) -> torch.Tensor:
     """`grouped` for many rows (prompts); for int8 weights the same result, row for row, bit for bit."""
-    return torch.ops.moe_cpu.grouped_gemm(x_ND, w_EOI, counts_E, scale_EO)
+    return _ops.grouped_gemm(x_ND, w_EOI, counts_E, scale_EO)
 
 
 def prompt_attention(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor) -> torch.Tensor:
     """Causal SDPA of a prompt from the first cache slot (no padding), in fp32, heads grouped over the key heads;
     [B, H, S, D] in q's dtype, a view of a [B, S, H, D] tensor (`prompt_attention.cpp`)."""
-    return torch.ops.moe_cpu.prompt_attention(q_BHSD, k_BGSD, v_BGSD)
+    return _ops.prompt_attention(q_BHSD, k_BGSD, v_BGSD)
 
 
 def glue_runs(native_kernels: bool) -> bool:
@@ -249,37 +262,37 @@ def glue_runs(native_kernels: bool) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool) -> torch.Tensor:
     """RMSNorm of each row in fp32, the weight applied after the cast back (or before it: `weight_in_fp32`)."""
-    return torch.ops.moe_cpu.rms_norm(x, weight, eps, weight_in_fp32)
+    return _ops.rms_norm(x, weight, eps, weight_in_fp32)
 
 
 def rotary_into_cache(q_BSHD: torch.Tensor, k_BSGD: torch.Tensor, v_BSGD: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
     """q and k turned by RoPE (`apply_rotary`'s bits), k and v written into the caches [B, G, L, Dh] at slots
     start..start+S; the turned q [B, H, S, Dh]."""
-    return torch.ops.moe_cpu.rotary_into_cache(q_BSHD, k_BSGD, v_BSGD, cos, sin, k_cache, v_cache, start)
+    return _ops.rotary_into_cache(q_BSHD, k_BSGD, v_BSGD, cos, sin, k_cache, v_cache, start)
 
 
 def group_by_expert(x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
                     n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The copies grouped by expert as a stable sort of their ids groups them: (rows [N, D], copies per expert [E],
     token [N], router weight [N])."""
-    return torch.ops.moe_cpu.group_by_expert(x_TD, weights_TK, ids_TK, n_experts)
+    return _ops.group_by_expert(x_TD, weights_TK, ids_TK, n_experts)
 
 
 def combine(y_ND: torch.Tensor, weight_N: torch.Tensor, token_N: torch.Tensor, n_tokens: int) -> torch.Tensor:
     """[T, D]: each row weighted (rounded to y's dtype) and added to its token's sum in row order
     (`weighted_sum`'s bits)."""
-    return torch.ops.moe_cpu.combine(y_ND, weight_N, token_N, n_tokens)
+    return _ops.combine(y_ND, weight_N, token_N, n_tokens)
 
 
 def count_ids(table: torch.Tensor, row: int, ids: torch.Tensor) -> None:
     """table[row, id] += 1 for each of `ids`."""
-    torch.ops.moe_cpu.count_ids(table, row, ids)
+    _ops.count_ids(table, row, ids)
 
 
 def silu_mul(h_NF2: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of h [N, 2F], gate columns first: `F.silu(gate).mul_(up)`'s bits (`torch_vector_width`)."""
-    return torch.ops.moe_cpu.silu_mul(h_NF2, torch_vector_width(h_NF2.dtype))
+    return _ops.silu_mul(h_NF2, torch_vector_width(h_NF2.dtype))
 
 
 @functools.cache
@@ -294,5 +307,5 @@ def attend_one(qkv_B1W: torch.Tensor, heads: int, kv_heads: int, q_norm: torch.T
                v_cache: torch.Tensor, start: int, mask: torch.Tensor | None) -> torch.Tensor:
     """A decode step's attention from its q/k/v product [B, 1, (H + 2G) Dh]: per-head norms (where given),
     `rotary_into_cache` at `start`, `decode_attention` over slots 0..start; [B, 1, H Dh], the bits of those ops."""
-    return torch.ops.moe_cpu.attend_one(qkv_B1W, heads, kv_heads, q_norm, k_norm, eps, cos, sin, k_cache, v_cache,
+    return _ops.attend_one(qkv_B1W, heads, kv_heads, q_norm, k_norm, eps, cos, sin, k_cache, v_cache,
                                         start, mask)
