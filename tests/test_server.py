@@ -122,6 +122,7 @@ def test_raw_http_errors_health_models_tokenize(server, local):
     assert server.post("/detokenize", {"tokens": ids}).json()["prompt"] == local.tokenizer.decode(ids)
     chat = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
     assert chat.status_code == 400 and "chat template" in chat.json()["error"]["message"]  # this model has none
+    assert server.post("/v1/completions", {"prompt": "And", "max_tokens": 2}).status_code == 200  # a first request
     metrics = httpx.get(server.url + "/metrics").text
     assert "moe_generation_tokens_total" in metrics and 'moe_expert_tokens_total{block="0",expert="0"}' in metrics
 

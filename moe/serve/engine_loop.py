@@ -8,6 +8,7 @@ client goes away; its rows of the KV cache are reused at once (`moe.serve.batch`
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -30,7 +31,7 @@ class EngineLoop:
         self.engine, self.dist, self.scheduler, self.chunk = engine, dist, scheduler, chunk
         self.batch = RunningBatch(engine, length)
         self.distributed = dist is not None and dist.world_size > 1
-        self.loads_at = time.monotonic()
+        self.loads_at = -math.inf  # the first plan gathers the expert load: /metrics has it from the first request on
 
     def run(self) -> None:
         while True:
