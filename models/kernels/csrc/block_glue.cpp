@@ -1,24 +1,28 @@
-// A block's small steps besides its weight products, one op each where eager torch takes several: the norm, the
-// rotary turn of q and k with the cache write, and the mixture's grouping of token copies by expert and its
-// weighted sum back per token. Each op replaces a chain of 5-15 torch ops whose dispatch and temporaries cost more
-// than their arithmetic at decode sizes (8-15 us a chain on a 2-core AMD EPYC Zen 4, against 1-2 us here).
+// A block's small steps besides its weight products, one op each where eager torch takes several: the norm, a
+// decode step's attention from its q/k/v product (`attend_one`: per-head norms, RoPE, the cache write, the
+// one-query attention), RoPE with the cache write for prompts, the mixture's grouping of token copies by expert, the
+// experts' SwiGLU, the weighted sum back per token and the expert-load count. Each op replaces a chain of 5-15 torch
+// ops whose dispatch and temporaries cost more than their arithmetic at decode sizes (8-15 us a chain on a 2-core
+// AMD EPYC Zen 4, against 1-3 us here).
 //
 // Bits: every op but the norm rounds where the torch chain it replaces rounds (the products and sums of bf16
 // values are made in fp32 and rounded to the activations' dtype after each torch op; -ffp-contract=off keeps the
 // compiler from fusing a multiply and an add), so they give that chain's bits. The norm sums its squares in its own
 // order (16 lanes, then the lanes in order), fixed per row whatever the batch; torch's mean sums in another.
 
+#include <ATen/Dispatch.h>
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/Dispatch.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <tuple>
+#include <vector>
 
 #include "block_glue.h"
 #include "int8_rows.h"  // MOE_MATVEC_AVX2
@@ -26,8 +30,6 @@
 #ifdef MOE_MATVEC_AVX2
 #include <sleef.h>
 #endif
-#include <tuple>
-#include <vector>
 
 namespace {
 
@@ -107,9 +109,12 @@ at::Tensor moe_cpu::rotary_into_cache(const at::Tensor& q, const at::Tensor& k, 
                                       at::Tensor v_cache, int64_t start) {
   const int64_t B = q.size(0), S = q.size(1), H = q.size(2), Dh = q.size(3), G = k.size(2), L = k_cache.size(2);
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "rotary_into_cache: rows not contiguous");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && start + S <= L, "rotary_into_cache: cache");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && cos_in.scalar_type() == q.scalar_type(),
-              "rotary_into_cache: dtypes differ");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && start >= 0 && start + S <= L,
+              "rotary_into_cache: slots ", start, "..", start + S, " of a contiguous cache of ", L);
+  const auto t = q.scalar_type();
+  TORCH_CHECK(k.scalar_type() == t && v.scalar_type() == t && k_cache.scalar_type() == t &&
+                  v_cache.scalar_type() == t && cos_in.scalar_type() == t && sin_in.scalar_type() == t,
+              "rotary_into_cache: q, k, v, the caches and the tables in one dtype");
   const at::Tensor cos = cos_in.expand({B, 1, S, Dh}), sin = sin_in.expand({B, 1, S, Dh});
   TORCH_CHECK(cos.stride(3) == 1 && sin.stride(3) == 1, "rotary_into_cache: tables not contiguous");
   at::Tensor out = at::empty({B, H, S, Dh}, q.options());
@@ -169,8 +174,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_by_expert(const
                                                                             const at::Tensor& weights_in,
                                                                             const at::Tensor& ids_in,
                                                                             int64_t n_experts) {
-  TORCH_CHECK(ids_in.scalar_type() == at::kLong && weights_in.scalar_type() == at::kFloat,
-              "group_by_expert: ids are long, weights fp32");
+  TORCH_CHECK(ids_in.scalar_type() == at::kLong && weights_in.scalar_type() == at::kFloat && ids_in.dim() == 2 &&
+                  x_in.dim() == 2,
+              "group_by_expert: x [T, D], ids [T, K] long, weights fp32");
   const at::Tensor x = x_in.contiguous(), ids = ids_in.contiguous(), weights = weights_in.contiguous();
   const int64_t T = ids.size(0), K = ids.size(1), N = T * K, D = x.size(1);
   TORCH_CHECK(x.size(0) == T && weights.numel() == N, "group_by_expert: ", T, " tokens, ", x.size(0), " rows");
