@@ -238,7 +238,7 @@ class Attention(nn.Module):
                 lin.kernel, lin.weight = part, weights.shape_only(lin.weight)
 
     def glue_runs(self, cache: KVCache, q: torch.Tensor, ctx: AttentionContext) -> bool:
-        """RoPE and the cache write run as one native op (`KVCache.turn_into`)."""
+        """The native glue ops run this block's RoPE and cache write (`KVCache.turn_into`, `native.attend_one`)."""
         return (self.choice is not None and native.glue_runs(self.choice.native) and cache.k.is_contiguous()
                 and cache.k.dtype == q.dtype == ctx.cos.dtype)
 

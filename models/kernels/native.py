@@ -280,8 +280,8 @@ def group_by_expert(x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.
 
 
 def combine(y_ND: torch.Tensor, weight_N: torch.Tensor, token_N: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    """[T, D]: each row weighted (rounded to y's dtype) and added to its token's sum in row order
-    (`weighted_sum`'s bits)."""
+    """[T, D]: each row weighted (rounded to y's dtype), a token's rows summed in fp32 in row order and rounded once
+    (`weighted_sum`'s bits on CPU, where index_add_ sums reduced precision in fp32)."""
     return _ops.combine(y_ND, weight_N, token_N, n_tokens)
 
 
