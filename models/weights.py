@@ -47,9 +47,8 @@ class LinearWeight:
 
 
 def float_product(path: str, x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x2 [N, in] @ weight.T by the product `path` names (`KernelChoice.product`), for a plain fp32/bf16 weight."""
-    if path == kc.NATIVE_DECODE:
-        return native.grouped(x2, weight)
+    """x2 [N, in] @ weight.T by the product `path` names (`KernelChoice.product`), for a plain fp32/bf16 weight; the
+    native decode product is `Dense`'s own, on rows as they come."""
     if path == kc.NATIVE_PROMPT:
         return native.prompt_grouped(x2, weight[None])
     if path == kc.ONEDNN:  # the plain weight: 0-35% slower than the packed layout from 64 rows on, one copy held
