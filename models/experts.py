@@ -176,6 +176,16 @@ class GroupedExperts(nn.Module):
         for name in ("w1", "w2", "w3"):
             setattr(self, name, weights.shape_only(getattr(self, name)))
 
+    def expert_reads(self, with_rows: int) -> list[tuple]:
+        """The expert products of a decode step where `with_rows` experts get a row each, as
+        `models.weights.decode_reads` gives them, where the stacks stream through the native kernel."""
+        if self.stacks is None or not (self.choice and self.choice.native) or not len(self.expert_ids):
+            return []
+        counts = torch.zeros(len(self.expert_ids), dtype=torch.long, device=self.stacks[0].device)
+        counts[:with_rows] = 1
+        (w13, w2), (s13, s2) = self.stacks, self.scales or (None, None)
+        return [(w13, counts, s13), (w2, counts, s2)]
+
     @staticmethod
     def _biased(y_NW: torch.Tensor, padded: torch.Tensor | None, counts_El: torch.Tensor) -> torch.Tensor:
         return y_NW if padded is None else y_NW + row_bias(padded, counts_El, y_NW.shape[0])

@@ -141,7 +141,7 @@ class MoEFeedForward(nn.Module):
         """`dense`: a dense layer among MoE ones (`ModelConfig.dense_layers`): no router and no routed experts, its
         MLP where a shared expert would be (`shared`), run where the block's tokens are, never exchanged."""
         super().__init__()
-        self.n_experts, self.dense = cfg.n_experts, dense
+        self.n_experts, self.top_k, self.dense = cfg.n_experts, cfg.top_k, dense
         self.gate = None if dense else Router(cfg.dim, cfg.n_experts, cfg.top_k, cfg.router, cfg.norm_topk_prob,
                                               cfg.router_jitter, cfg.router_bias, (cfg.n_group, cfg.topk_group),
                                               cfg.routed_scaling, cfg.score_bias)
@@ -174,6 +174,10 @@ class MoEFeedForward(nn.Module):
     def prepare_weights(self, choice) -> None:
         """An inference model on native kernels counts, groups and sums its copies in one op each."""
         self.native = self.dispatcher.native = choice.native
+
+    def decode_reads(self) -> list[tuple]:
+        """The routed experts' reads at a batch-1 decode step (`models.weights.decode_reads`): top-k of them."""
+        return [] if self.dense else self.experts.expert_reads(self.top_k)
 
     def forward(self, x_TD: torch.Tensor, decoding: bool = False) -> torch.Tensor:
         if self.dense:

@@ -187,6 +187,22 @@ def shape_only(weight: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
 
 
+def decode_reads(model: nn.Module) -> list[tuple]:
+    """A batch-1 decode step's reads of streamed weights (`Streamed`, `Int8` on the native kernels) as calls of
+    `native.grouped` without their rows: (weight, rows per expert or None, scale or None). Routed experts' come
+    from their block (`decode_reads`: top-k experts with a row each). What `models.kernels.tuning` times."""
+    reads: list[tuple] = []
+    for module in model.modules():
+        if hasattr(module, "decode_reads"):
+            reads += module.decode_reads()
+        for value in vars(module).values():
+            if isinstance(value, Streamed):
+                reads.append((value.weight, None, None))
+            elif isinstance(value, Int8) and value.stream:
+                reads.append((value.q, None, value.scale32))
+    return reads
+
+
 def prepare(model: nn.Module, choice: KernelChoice) -> None:
     """Convert every linear weight of an inference model (modules with `prepare_weights(choice)`), once; parents
     fuse their children's weights first. Embeddings, norms and routers stay as they are."""

@@ -35,6 +35,8 @@ class ModelInfo:
     pids: list[int] = field(default_factory=list)  # process id of each rank
     baseline_mib: list[float] = field(default_factory=list)  # per rank, memory before any weight was read
     loaded_peak_mib: list[float] = field(default_factory=list)  # per rank, peak memory once loaded
+    # per rank, the decode kernel's prefetch distance by weight kind, measured on its machine (`models.kernels.tuning`)
+    prefetch_bytes: list[dict[str, int]] = field(default_factory=list)
 
     @classmethod
     def from_reports(cls, base: dict, reports: list[dict], **where) -> ModelInfo:
@@ -48,7 +50,8 @@ class ModelInfo:
                    load_seconds=each("load_seconds"), bytes_read=each("bytes_read"), files_read=each("files_read"),
                    tensors_read=each("tensors_read"),
                    rank_params=each("params"), pids=each("pid"), baseline_mib=each("baseline_mib"),
-                   loaded_peak_mib=each("loaded_peak_mib"))
+                   loaded_peak_mib=each("loaded_peak_mib"),
+                   prefetch_bytes=[r.get("prefetch_bytes", {}) for r in reports])
 
 
 _announced: set[str] = set()  # the kernel lines this process has printed

@@ -21,6 +21,8 @@ gives 127-149; `prompt_gemm.cpp` has the figures).
 A block's steps between its products, an op each where eager torch takes several (`block_glue.cpp`): `rms_norm`,
 `rotary_into_cache`, `group_by_expert`, `combine`, `count_ids`, `silu_mul`, and `attend_one` (a decode step's
 attention from its q/k/v product); an eager model runs them where `glue_runs`.
+`set_prefetch(bf16, int8)`: how far ahead of its reads the decode kernel asks for weights, measured per machine and
+model shape by `models.kernels.tuning`.
 `available()` builds the kernels on first use (torch.utils.cpp_extension: a C++ compiler and ninja; 20-40 s,
 once per torch installation, kept in torch's extension cache) and says whether it can run; without it the
 weights fall back to oneDNN or torch's products.

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from models import weights
+from models.kernels import tuning
 from models.kernels.choice import choose
 from models.transformer import Transformer
 from moe.checkpoint.formats import CheckpointFormat, detect
@@ -43,6 +44,8 @@ def build_model(directory: str | Path, dtype: str | torch.dtype | None = None, d
                       on_unit=convert if choice is not None else None)
     if choice is not None:  # what this rank runs, for `model.info` and the ranks' agreement (`moe.api`)
         stats |= {"kernels": choice.describe(), "kernel_settings": choice.settings()}
+        if choice.native:  # the decode kernel's prefetch distance, measured here once for such weights
+            stats["prefetch_bytes"] = tuning.tune(weights.decode_reads(model))
     materialize_buffers(model, device)
     model.kernel_choice = choice  # what a compiled step's key names (`moe.engine.ahead`)
     model.eval().requires_grad_(False)

@@ -31,6 +31,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <optional>
 #include <type_traits>
@@ -42,18 +43,19 @@
 
 namespace {
 
-// How far ahead of its reads a thread asks for its int8 and bf16 weights. Measured on two 2-core AMD EPYCs, a
-// decode step's products against 3 other distances each: on the AVX2 one (Zen 3), 1024 bytes, 4-9% faster than
-// the hardware prefetcher alone (512 and 2048: less); on the AVX-512 one (Zen 5, faster memory), 4096 bytes, 1.3x
-// faster than 1024 in bf16 (8192 no faster, 512 slower; docs/benchmarks.md). An AVX-512 build takes the second.
-// fp32 weights get no requests: their loop does little per byte, and on both CPUs requests only slowed it.
-#ifdef __AVX512F__
-constexpr int kAhead = 4096;
-#else
-constexpr int kAhead = 1024;
-#endif
-template <typename W>
-constexpr int ahead_for = std::is_same_v<W, float> ? 0 : kAhead;
+// How far ahead of its reads a thread asks for its bf16 and int8 weights, in bytes (0: no requests): the fastest
+// of a few distances on the machine at hand, measured once and cached (models/kernels/tuning.py), since the best
+// one differs between CPUs: 4096 on a Zen 5 EPYC (1.3x faster than 1024 in bf16), none on a Zen 4 one (10-18%
+// faster than 4096), 1024 on a Zen 3 (docs/kernels.md). fp32 weights get no requests: their loop does little per
+// byte, and on every CPU measured requests only slowed it. Set before a model's first step; read once per call.
+std::atomic<int> g_ahead_bf16{0}, g_ahead_int8{0};
+
+void set_prefetch(int64_t bf16_bytes, int64_t int8_bytes) {
+  TORCH_CHECK(bf16_bytes >= 0 && bf16_bytes <= 65536 && int8_bytes >= 0 && int8_bytes <= 65536,
+              "set_prefetch: distances of 0 to 65536 bytes");
+  g_ahead_bf16 = static_cast<int>(bf16_bytes);
+  g_ahead_int8 = static_cast<int>(int8_bytes);
+}
 
 #ifdef MOE_MATVEC_AVX2
 inline __m256i madd16(const int8_t* w, const int16_t* q) {  // 8 lanes of w[2j] q[2j] + w[2j+1] q[2j+1]
@@ -77,9 +79,9 @@ inline __m512i widened16(const int8_t* w) {  // 32 int8 weights as 32 int16 lane
 // that each add one pair-sum of at most 2 * 127 * 32767 per 64 elements (4 x 8 lanes with AVX2; 2 x 16 with
 // AVX-512 VNNI, whose multiply-add-accumulate takes the widened int8 pairs at once, 1.2x the AVX2 loop's rate on the
 // Zen 5 EPYC). The accumulators are added and widened into int64 every 64 of them (4096 elements), so no sum can
-// overflow; an exact sum, so either loop gives the same bits. Each 64 weights also ask for the line kAhead bytes
-// further on (`dot_float` says why).
-inline int64_t dot_int(const int8_t* w, const int16_t* q, int64_t in) {
+// overflow; an exact sum, so either loop gives the same bits. With `ahead` > 0 each 64 weights also ask for the
+// line `ahead` bytes further on (row_dot.h: `dot_rows` says why).
+inline int64_t dot_int(const int8_t* w, const int16_t* q, int64_t in, int ahead) {
   int64_t i = 0, s = 0;
 #ifdef MOE_MATVEC_AVX2
   const int64_t body = in & ~int64_t{63};
@@ -88,7 +90,7 @@ inline int64_t dot_int(const int8_t* w, const int16_t* q, int64_t in) {
     const int64_t end = std::min(body, i + 64 * 64);
     __m512i a0 = _mm512_setzero_si512(), a1 = a0;
     for (; i < end; i += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + i) + kAhead, _MM_HINT_T0);
+      if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(w + i) + ahead, _MM_HINT_T0);
       a0 = _mm512_dpwssd_epi32(a0, widened16(w + i), _mm512_loadu_si512(q + i));
       a1 = _mm512_dpwssd_epi32(a1, widened16(w + i + 32), _mm512_loadu_si512(q + i + 32));
     }
@@ -100,7 +102,7 @@ inline int64_t dot_int(const int8_t* w, const int16_t* q, int64_t in) {
     const int64_t end = std::min(body, i + 64 * 64);
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
     for (; i < end; i += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + i) + kAhead, _MM_HINT_T0);
+      if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(w + i) + ahead, _MM_HINT_T0);
       a0 = _mm256_add_epi32(a0, madd16(w + i, q + i));
       a1 = _mm256_add_epi32(a1, madd16(w + i + 16, q + i + 16));
       a2 = _mm256_add_epi32(a2, madd16(w + i + 32, q + i + 32));
@@ -120,9 +122,10 @@ inline int64_t dot_int(const int8_t* w, const int16_t* q, int64_t in) {
 struct FloatRows {
   const float* x;
   int64_t in;
+  int ahead;  // int8 weights' distance (their rows where an activation row is not finite); fp32 weights: 0
   template <typename W, int R>
   void dot(const W* const w[R], int64_t m, float* s) const {
-    moe_cpu::dot_rows<W, ahead_for<W>, R>(w, x + m * in, in, s);
+    moe_cpu::dot_rows<W, R>(w, x + m * in, in, s, ahead);
   }
 };
 
@@ -132,9 +135,10 @@ struct PairRows {
   const float* xs;
   const c10::BFloat16* xb;
   int64_t in;
+  int ahead;
   template <typename W, int R>
   __attribute__((always_inline)) void dot(const c10::BFloat16* const w[R], int64_t m, float* s) const {
-    moe_cpu::dot_pairs<kAhead, R>(w, xs + m * in, xb != nullptr ? xb + m * in : nullptr, in, s);
+    moe_cpu::dot_pairs<R>(w, xs + m * in, xb != nullptr ? xb + m * in : nullptr, in, s, ahead);
   }
 };
 
@@ -142,9 +146,10 @@ struct IntRows {
   const int16_t* q;
   const float* scale;  // of each activation row
   int64_t in;
+  int ahead;
   template <typename W, int R>
   void dot(const int8_t* const w[R], int64_t m, float* s) const {  // exact sums: any order, a row at a time
-    for (int r = 0; r < R; ++r) s[r] = moe_cpu::scaled_sum(dot_int(w[r], q + m * in, in), scale[m]);
+    for (int r = 0; r < R; ++r) s[r] = moe_cpu::scaled_sum(dot_int(w[r], q + m * in, in, ahead), scale[m]);
   }
 };
 
@@ -205,13 +210,13 @@ void run(const Rows& x, const W* w, const float* scale, const std::vector<Group>
 template <typename Widen>
 PairRows pair_rows(const at::Tensor& x, const Widen& fp32_rows, int64_t n, int64_t in) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-  if (x.scalar_type() == at::kBFloat16) return {nullptr, x.data_ptr<c10::BFloat16>(), in};
+  if (x.scalar_type() == at::kBFloat16) return {nullptr, x.data_ptr<c10::BFloat16>(), in, g_ahead_bf16};
 #endif
   const float* xf = fp32_rows();
   thread_local std::vector<float> split;
   split.resize(n * in);
   for (int64_t m = 0; m < n; ++m) moe_cpu::split_pairs(xf + m * in, in, split.data() + m * in);
-  return {split.data(), nullptr, in};
+  return {split.data(), nullptr, in, g_ahead_bf16};
 }
 
 at::Tensor grouped_matvec(const at::Tensor& x_in, const at::Tensor& w, const std::optional<at::Tensor>& counts,
@@ -269,12 +274,12 @@ at::Tensor grouped_matvec(const at::Tensor& x_in, const at::Tensor& w, const std
   std::vector<int16_t> q;
   std::vector<float> q_scale;
   switch (w.scalar_type()) {
-    case at::kFloat: dispatch_out(w.data_ptr<float>(), FloatRows{fp32_rows(), in_features}); break;
+    case at::kFloat: dispatch_out(w.data_ptr<float>(), FloatRows{fp32_rows(), in_features, 0}); break;
     case at::kBFloat16: dispatch_out(w.data_ptr<c10::BFloat16>(), pair_rows(xc, fp32_rows, n, in_features)); break;
     case at::kChar: {
-      const FloatRows rows{fp32_rows(), in_features};
+      const FloatRows rows{fp32_rows(), in_features, g_ahead_int8};
       if (to_int16(rows.x, n, in_features, q, q_scale)) {
-        dispatch_out(w.data_ptr<int8_t>(), IntRows{q.data(), q_scale.data(), in_features});
+        dispatch_out(w.data_ptr<int8_t>(), IntRows{q.data(), q_scale.data(), in_features, g_ahead_int8});
       } else {
         dispatch_out(w.data_ptr<int8_t>(), rows);
       }
@@ -292,6 +297,7 @@ at::Tensor grouped_matvec(const at::Tensor& x_in, const at::Tensor& w, const std
 
 TORCH_LIBRARY(moe_cpu, m) {
   m.def("grouped_matvec(Tensor x, Tensor w, Tensor? counts, Tensor? scale) -> Tensor");
+  m.def("set_prefetch(int bf16_bytes, int int8_bytes) -> ()", set_prefetch);  // no tensors: one kernel for all
 }
 
 TORCH_LIBRARY_IMPL(moe_cpu, CPU, m) { m.impl("grouped_matvec", grouped_matvec); }

@@ -103,10 +103,11 @@ inline int64_t pair_major(int64_t d, int64_t chained) {
 // R bf16 weight rows against one activation row in the pair order (the caller holds a `FlushDenormals`). `xb`: the
 // row as bf16 where it is bf16 and the build has the instruction (its operand), else null; `xs` (read only where
 // `xb` is null): the row in `split_pairs`' layout.
-// Each row also asks for the line kAhead bytes further on every 32 weights (row_dot.h: `dot_float` says why).
-template <int kAhead, int R>
+// With `ahead` > 0 each row also asks for the line `ahead` bytes further on every 32 weights (row_dot.h: `dot_rows`
+// says why).
+template <int R>
 __attribute__((always_inline)) inline void dot_pairs(const c10::BFloat16* const w[R], const float* xs,
-                                                     const c10::BFloat16* xb, int64_t in, float* s) {
+                                                     const c10::BFloat16* xb, int64_t in, float* s, int ahead) {
   const int64_t body = pair_body(in);
   int64_t i = 0;
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -116,7 +117,7 @@ __attribute__((always_inline)) inline void dot_pairs(const c10::BFloat16* const 
     for (; i < body; i += 32) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + i);
       for (int r = 0; r < R; ++r) {
-        if constexpr (kAhead > 0) _mm_prefetch(reinterpret_cast<const char*>(w[r] + i) + kAhead, _MM_HINT_T0);
+        if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(w[r] + i) + ahead, _MM_HINT_T0);
         acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(w[r] + i), xv);
       }
     }
@@ -135,7 +136,7 @@ __attribute__((always_inline)) inline void dot_pairs(const c10::BFloat16* const 
       const __m256 odd0 = _mm256_loadu_ps(xs + i), even0 = _mm256_loadu_ps(xs + i + 8);
       const __m256 odd1 = _mm256_loadu_ps(xs + i + 16), even1 = _mm256_loadu_ps(xs + i + 24);
       for (int r = 0; r < R; ++r) {
-        if constexpr (kAhead > 0) _mm_prefetch(reinterpret_cast<const char*>(w[r] + i) + kAhead, _MM_HINT_T0);
+        if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(w[r] + i) + ahead, _MM_HINT_T0);
         const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + i));
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + i + 16));
         lo[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(a, high)), odd0, lo[r]);

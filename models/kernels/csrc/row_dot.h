@@ -35,16 +35,13 @@ inline float hsum(__m256 v) {
 #endif
 
 // sum_i w[i] * x[i]: one weight row read front to back (a single stream the prefetcher follows), 4 x 8 lanes.
-// With kAhead > 0, each 32 weights also ask for the line kAhead bytes further on (a request that cannot fault,
-// past the row's end included): bf16 weights widened on load leave the hardware prefetcher behind otherwise.
-template <typename W, int kAhead = 0>
+template <typename W>
 inline float dot_float(const W* w, const float* x, int64_t in) {
   int64_t i = 0;
   float s = 0.f;
 #ifdef MOE_MATVEC_AVX2
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   for (; i + 32 <= in; i += 32) {
-    if constexpr (kAhead > 0) _mm_prefetch(reinterpret_cast<const char*>(w + i) + kAhead, _MM_HINT_T0);
     a0 = _mm256_fmadd_ps(load8(w + i), _mm256_loadu_ps(x + i), a0);
     a1 = _mm256_fmadd_ps(load8(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
     a2 = _mm256_fmadd_ps(load8(w + i + 16), _mm256_loadu_ps(x + i + 16), a2);
@@ -85,10 +82,12 @@ inline __m256 chains_added(const __m256 c[8]) {
 // multiply-add each from 0; then ((c0 + c4) + (c2 + c6)) + ((c1 + c5) + (c3 + c7)); then the columns past that,
 // in order, one multiply-add each. Here the chains are the lanes of one vector per weight row; R weight rows at a
 // time against one activation row x give R independent chains of multiply-adds, enough to hide their latency.
-// With kAhead > 0 each row also asks for the line kAhead bytes further on every 32 weights (`dot_float` says
-// why): the caller's rows are each the head of a stream of consecutive rows, so that line is the stream's next.
-template <typename W, int kAhead, int R>
-inline void dot_rows(const W* const w[R], const float* x, int64_t in, float* s) {
+// With `ahead` > 0 each row also asks for the line `ahead` bytes further on every 32 weights, a request that cannot
+// fault (past the row's end included): on some CPUs weights widened on load leave the hardware prefetcher behind.
+// The caller's rows are each the head of a stream of consecutive rows, so that line is the stream's next. The
+// distance is measured on the machine (models/kernels/tuning.py); a request never changes a bit.
+template <typename W, int R>
+inline void dot_rows(const W* const w[R], const float* x, int64_t in, float* s, int ahead) {
   const int64_t body = in & ~int64_t{7};
 #ifdef MOE_MATVEC_AVX2
   __m256 acc[R];
@@ -96,7 +95,7 @@ inline void dot_rows(const W* const w[R], const float* x, int64_t in, float* s) 
   int64_t i = 0;
   for (; i + 32 <= body; i += 32) {
     for (int r = 0; r < R; ++r) {
-      if constexpr (kAhead > 0) _mm_prefetch(reinterpret_cast<const char*>(w[r] + i) + kAhead, _MM_HINT_T0);
+      if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(w[r] + i) + ahead, _MM_HINT_T0);
     }
     for (int64_t h = i; h < i + 32; h += 8) {
       const __m256 xv = _mm256_loadu_ps(x + h);
