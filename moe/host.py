@@ -12,14 +12,19 @@ from pathlib import Path
 
 
 def cpu_name() -> str:
-    """The CPU's model name (for benchmark tables: a figure holds only on the machine it names) and the cores seen."""
+    """The CPU's model name, family and model number (for benchmark tables: a figure holds only on the machine it
+    names; a virtual machine's name may say just "AMD EPYC", whichever generation) and the cores seen."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores visible)"
+            name, _, value = line.partition(":")
+            fields.setdefault(name.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    if "model name" not in fields:
+        return platform.processor() or platform.machine()
+    family = f"family {fields['cpu family']} model {fields.get('model', '?')}, " if "cpu family" in fields else ""
+    return f"{fields['model name']} ({family}{os.cpu_count()} cores visible)"
 
 
 def usable_cores() -> int:
