@@ -13,7 +13,6 @@ instead. A request never changes a bit, only when the weights arrive.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import platform
@@ -79,20 +78,26 @@ def _set(distances: dict[str, int]) -> dict[str, int]:
 
 
 def _cached_or_measured(path: Path, key: str, reads: list[Read], clock) -> int:
-    """One process measures at a time (ranks loading together wait for the first, then read its result); a file
-    that cannot be read or written means measuring again, never a failure."""
+    """One process measures at a time (ranks loading together wait for the first, then read its result); a cache
+    that cannot be locked, read or written means a measurement that is not kept, never a failure."""
+    import fcntl  # POSIX; the native kernels build on Linux only
+
     try:
-        with open(path.with_suffix(".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            known = _read(path)
-            if key not in known:
-                known[key] = measure(reads, clock)
-                tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(known, indent=1))
-                tmp.replace(path)
-            return known[key]
+        lock = open(path.with_suffix(".lock"), "a")
     except OSError:
         return measure(reads, clock)
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        known = _read(path)
+        if key not in known:
+            known[key] = measure(reads, clock)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            try:
+                tmp.write_text(json.dumps(known, indent=1))
+                tmp.replace(path)
+            except OSError:
+                tmp.unlink(missing_ok=True)
+        return known[key]
 
 
 def _read(path: Path) -> dict[str, int]:

@@ -46,7 +46,7 @@ namespace {
 // How far ahead of its reads a thread asks for its bf16 and int8 weights, in bytes (0: no requests): the fastest
 // of a few distances on the machine at hand, measured once and cached (models/kernels/tuning.py), since the best
 // one differs between CPUs: 4096 on a Zen 5 EPYC (1.3x faster than 1024 in bf16), none on a Zen 4 one (10-18%
-// faster than 4096), 1024 on a Zen 3 (docs/kernels.md). fp32 weights get no requests: their loop does little per
+// faster than 4096), 1024 on a Zen 3 (docs/benchmarks.md). fp32 weights get no requests: their loop does little per
 // byte, and on every CPU measured requests only slowed it. Set before a model's first step; read once per call.
 std::atomic<int> g_ahead_bf16{0}, g_ahead_int8{0};
 
