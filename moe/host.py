@@ -8,19 +8,14 @@ from __future__ import annotations
 import os
 import platform
 import sys
-from pathlib import Path
+
+from models.kernels import cpuinfo
 
 
 def cpu_name() -> str:
     """The CPU's model name, family and model number (for benchmark tables: a figure holds only on the machine it
     names; a virtual machine's name may say just "AMD EPYC", whichever generation) and the cores seen."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            name, _, value = line.partition(":")
-            fields.setdefault(name.strip(), value.strip())
-    except OSError:
-        pass
+    fields = cpuinfo.fields()
     if "model name" not in fields:
         return platform.processor() or platform.machine()
     family = f"family {fields['cpu family']} model {fields.get('model', '?')}, " if "cpu family" in fields else ""

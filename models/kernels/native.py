@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from models.kernels import cpuinfo
+
 # The decode kernel, the prompt kernel, the activation rounding both use for int8, the fp32 row product the decode
 # kernel and the decode attention share, the prompt kernel's inner loops and its moves between rows and blocks, a
 # decode step's attention, a prompt's, a block's steps between its products.
@@ -80,21 +82,13 @@ def _simd_flags() -> tuple[str, list[str]]:
     if asked and FLAVOURS.index(asked) < FLAVOURS.index(flavour):
         flavour = asked
     if flavour == "avx512":
-        cpu = _cpu_flags()
+        cpu = cpuinfo.flags()
         # bf16 weights' products through the CPU's bf16 dot product where it has one: the same bits (pair_dot.h)
         bf16 = ["-mavx512bf16"] if "avx512_bf16" in cpu else []
         if "avx512_vnni" in cpu:
             return "avx512vnni", [*AVX512, "-mavx512vnni", *bf16]
         return "avx512", [*AVX512, *bf16]
     return flavour, AVX2 if flavour == "avx2" else []
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return {word for line in text.splitlines() if line.startswith("flags") for word in line.split(":", 1)[1].split()}
 
 
 @functools.cache

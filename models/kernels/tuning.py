@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from models.kernels import native
+from models.kernels import cpuinfo, native
 
 CANDIDATES = (0, 1024, 4096)  # bytes ahead; 0: no requests
 KINDS = {torch.bfloat16: "bfloat16", torch.int8: "int8"}  # weights that take requests (fp32's never: matvec.cpp)
@@ -42,13 +42,7 @@ _distances = {kind: 0 for kind in KINDS.values()}  # what the kernels were last 
 def machine_key() -> str:
     """What the best distance depends on besides the model: the CPU model (family and model number: the name alone
     may say just "AMD EPYC") and the threads that read."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            name, _, value = line.partition(":")
-            fields.setdefault(name.strip(), value.strip())
-    except OSError:
-        pass
+    fields = cpuinfo.fields()
     cpu = " ".join(fields.get(k, "?") for k in ("vendor_id", "cpu family", "model", "model name"))
     return f"{cpu if fields else platform.processor()}; {torch.get_num_threads()} threads"
 
