@@ -89,3 +89,36 @@ def test_sampling_is_reproducible_by_seed(model):
     b = model.generate([[1, 5, 9]], max_new_tokens=12, temperature=1.0, top_p=0.9, top_k=20, seed=7)
     c = model.generate([[1, 5, 9]], max_new_tokens=12, temperature=1.0, top_p=0.9, top_k=20, seed=8)
     assert a == b and a != c
+
+
+class Broadcasting:
+    """A one-rank engine that shares its decisions as N ranks do (packed with the stop flag, read back)."""
+
+    alone = False
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+@pytest.mark.parametrize("stop_at", [None, 3])
+def test_one_rank_decides_as_a_broadcast_would(model, stop_at):
+    """Alone, a step's tokens and stop flag skip the packing N ranks broadcast: the same tokens, logprobs and
+    cancellation either way."""
+    from moe.generation import SamplingParams, generate_tokens
+
+    params = [SamplingParams(max_new_tokens=8), SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9, seed=5,
+                                                               logprobs=2)]
+    prompts = [[1, 4, 5, 6], [1, 20, 21]]
+    results = []
+    for engine in (model.engine, Broadcasting(model.engine)):
+        asked = []
+        should_stop = None if stop_at is None else (lambda asked=asked: asked.append(1) or len(asked) > stop_at)
+        results.append(generate_tokens(engine, prompts, params, (), 64, should_stop=should_stop))
+    alone, shared = results
+    assert model.engine.alone and alone.tokens == shared.tokens
+    assert [r.logprobs for r in alone.rows] == [r.logprobs for r in shared.rows]
+    assert alone.cancelled == shared.cancelled == (stop_at is not None)
+    assert alone.new_tokens == (2 * stop_at if stop_at else 16)

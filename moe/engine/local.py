@@ -69,6 +69,8 @@ class LocalEngine:
     def share(self, decided: torch.Tensor) -> torch.Tensor:
         return decided  # one rank: it decided everything itself
 
+    alone = True
+
     # -- the Engine interface ----------------------------------------------------------------------
     def generate(self, ids: list[list[int]], params: SamplingParams | list[SamplingParams],
                  eos: tuple[int, ...], context: int, on_token: Callable[[int, int], None] | None = None,

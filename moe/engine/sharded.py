@@ -88,6 +88,10 @@ class ShardedEngine:
         logits = self.tokens_to_logits(tokens_BS, start, self.padding, self.caches, last_only=True)
         return logits[:, -1] if logits is not None else None
 
+    @property
+    def alone(self) -> bool:
+        return self.dist.world_size == 1
+
     def share(self, decided: torch.Tensor) -> torch.Tensor:
         """The head's rank decided the next tokens (and whether to stop); every rank gets them, so every rank
         takes the same decisions."""

@@ -78,7 +78,7 @@ class EngineLoop:
         width = packed_width(top)
         packed = (self.batch.sample(logits, rows) if logits is not None
                   else torch.zeros(len(rows), width, dtype=torch.long, device=self.engine.device))
-        shared = self.engine.share(packed.reshape(-1)).view(len(rows), width)
+        shared = packed if self.engine.alone else self.engine.share(packed.reshape(-1)).view(len(rows), width)
         host = shared.tolist()  # the step's one read: what each request receives
         self.batch.record([h[0] for h in host], rows, shared[:, 0])
         if self.scheduler is not None:
