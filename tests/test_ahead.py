@@ -41,6 +41,11 @@ def test_a_package_gives_the_eager_tokens_loads_in_a_later_model_and_is_never_ru
     assert torch.equal(later.expert_load().counts, eager.expert_load().counts)  # the package counts as eager does
     assert later.generate(["And God said", "It is"], **SAMPLED) == sampled
     assert tokens(MoEModel.from_pretrained(TRAINED, compile=False)) == want  # and compile=False never loads it
+    for debug in (True, False):  # a mode no package is built with: eager steps, then the package again
+        later.set_debug_routing(debug), eager.set_debug_routing(debug)
+        later.reset_expert_load(), eager.reset_expert_load()
+        assert tokens(later) == tokens(eager) and later.engine.ahead_ran is not debug
+        assert torch.equal(later.expert_load().counts, eager.expert_load().counts)
 
     foreign = ahead.cache_dir() / f"{ahead.step_key(later.engine.model, 3, 256)}.pt2"
     foreign.write_bytes(package.read_bytes())  # the batch-2 package under the batch-3 name

@@ -220,9 +220,6 @@ class AheadStep:
         if _specs(inputs) != self.specs:
             raise RuntimeError("the package's inputs do not match this model")
 
-    def __call__(self, fixed: list[torch.Tensor], kv: list[torch.Tensor]) -> torch.Tensor:
-        return self.loader.run([*fixed, *kv, *self.weights])[0]
-
 
 class AheadDecode:
     """A one-rank engine's compiled steps, a package per batch size and cache length (rounded up as
@@ -236,6 +233,8 @@ class AheadDecode:
         self.steps: dict[tuple[int, int], AheadStep] = {}
         self.missing: set[tuple[int, int]] = set()  # shapes looked for that had no usable package
         self.slot = torch.zeros(1, dtype=torch.long)
+        # the caches of the request being decoded, its step and that step's inputs but the tokens and padding (`bind`)
+        self.bound: tuple[dict[str, KVCache], AheadStep | None, list] | None = None
 
     def cache_length(self, batch: int, length: int) -> int:
         """The cache length for a request of `batch` sequences and `length` positions: rounded up to a package's
@@ -259,12 +258,33 @@ class AheadDecode:
 
     def decode(self, tokens_B1: torch.Tensor, start: int, pad_B: torch.Tensor | None,
                caches: dict[str, KVCache]) -> torch.Tensor | None:
-        """Logits [B, V] of one step on `caches` through their shape's package; None where there is none."""
-        if not caches:
+        """Logits [B, V] of one step on `caches` through their shape's package; None where there is none. The step
+        and its inputs are found at a request's first step (`bind`) and reused for the rest: between two steps only
+        the tokens, the slot and the padding change (each Python line of this path costs 5-15 us a step on a CPU,
+        run just after a step whose weights pushed it out of the caches)."""
+        if self.bound is None or self.bound[0] is not caches:
+            self.bind(caches)
+        _, step, inputs = self.bound
+        if step is None:
             return None
-        k = next(iter(caches.values())).k
-        step = self.step_at(k.shape[0], k.shape[2])
-        return None if step is None else self(step, tokens_B1, start, pad_B, caches)
+        self.slot.fill_(start)
+        inputs[0] = tokens_B1
+        inputs[2] = pad_B if pad_B is not None else torch.zeros(tokens_B1.shape[0], dtype=torch.long)
+        return step.loader.run(inputs)[0]
+
+    def bind(self, caches: dict[str, KVCache]) -> None:
+        """The step for `caches` (None: no package for their shape, or routers in a mode no package is built
+        with), and its inputs: the tokens, the slot, the padding, the caches' tensors, the model's."""
+        step = None
+        if caches:
+            k = next(iter(caches.values())).k
+            step = self.step_at(k.shape[0], k.shape[2])
+        kv = [t for c in caches.values() for t in (c.k, c.v)]
+        self.bound = (caches, step, [None, self.slot, None, *kv, *(step.weights if step is not None else ())])
+
+    def unbind(self) -> None:
+        """Forget the bound request (its caches are freed, or the routers' modes change)."""
+        self.bound = None
 
     def _load_or_build(self, batch: int, length: int, build: bool) -> AheadStep | None:
         """Loaded from the cache, or built there when `build` (a package that fails its checks is rebuilt then, and
@@ -289,14 +309,6 @@ class AheadDecode:
                 return None
             build_package(self.model, batch, length, path, self.note)
         return None
-
-    def __call__(self, step: AheadStep, tokens_B1: torch.Tensor, start: int, pad_B: torch.Tensor | None,
-                 caches: dict[str, KVCache]) -> torch.Tensor:
-        """Logits [B, V] of one step on `caches`, which are of the step's shape."""
-        self.slot.fill_(start)
-        pad_B = pad_B if pad_B is not None else torch.zeros(tokens_B1.shape[0], dtype=torch.long)
-        kv = [t for c in caches.values() for t in (c.k, c.v)]
-        return step([tokens_B1, self.slot, pad_B], kv)
 
 
 def bucket(length: int, most: int) -> int:

@@ -34,6 +34,10 @@ class EngineLoop:
         self.loads_at = -math.inf  # the first plan gathers the expert load: /metrics has it from the first request on
 
     def run(self) -> None:
+        with torch.inference_mode():  # every step's tensors, caches and samplers: one entry for the server's life
+            self._run()
+
+    def _run(self) -> None:
         while True:
             plan = self._plan()
             if plan.stop:
