@@ -115,7 +115,9 @@ def _compiled_steps(model, seqs: int, length: int, progress: bool) -> None:
     engine.compile_decode()
     engine.exact_caches = True
     started = time.perf_counter()
-    with Progress("compiling the decode steps", unit="step", enabled=progress).start(seqs) as bar:
+    # in inference mode, as the engine loop runs them (a compiled step's graphs are told apart by the mode)
+    with Progress("compiling the decode steps", unit="step", enabled=progress).start(seqs) as bar, \
+            torch.inference_mode():
         for batch in range(1, seqs + 1):  # garbage tokens into caches dropped after: only the graphs are kept
             engine.start(batch, length, torch.zeros(batch, dtype=torch.long))
             engine.forward_last(torch.zeros(batch, 1, dtype=torch.long), 0)
