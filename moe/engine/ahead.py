@@ -234,7 +234,7 @@ class AheadDecode:
         self.missing: set[tuple[int, int]] = set()  # shapes looked for that had no usable package
         self.slot = torch.zeros(1, dtype=torch.long)
         # the caches of the request being decoded, its step and that step's inputs but the tokens and padding (`bind`)
-        self.bound: tuple[dict[str, KVCache], AheadStep | None, list] | None = None
+        self.bound: tuple[dict[str, KVCache], AheadStep | None, list, torch.Tensor] | None = None
 
     def cache_length(self, batch: int, length: int) -> int:
         """The cache length for a request of `batch` sequences and `length` positions: rounded up to a package's
@@ -264,23 +264,24 @@ class AheadDecode:
         run just after a step whose weights pushed it out of the caches)."""
         if self.bound is None or self.bound[0] is not caches:
             self.bind(caches)
-        _, step, inputs = self.bound
+        _, step, inputs, no_pad = self.bound
         if step is None:
             return None
         self.slot.fill_(start)
         inputs[0] = tokens_B1
-        inputs[2] = pad_B if pad_B is not None else torch.zeros(tokens_B1.shape[0], dtype=torch.long)
+        inputs[2] = pad_B if pad_B is not None else no_pad
         return step.loader.run(inputs)[0]
 
     def bind(self, caches: dict[str, KVCache]) -> None:
         """The step for `caches` (None: no package for their shape, or routers in a mode no package is built
         with), and its inputs: the tokens, the slot, the padding, the caches' tensors, the model's."""
-        step = None
+        step, batch = None, 0
         if caches:
             k = next(iter(caches.values())).k
-            step = self.step_at(k.shape[0], k.shape[2])
+            step, batch = self.step_at(k.shape[0], k.shape[2]), k.shape[0]
         kv = [t for c in caches.values() for t in (c.k, c.v)]
-        self.bound = (caches, step, [None, self.slot, None, *kv, *(step.weights if step is not None else ())])
+        self.bound = (caches, step, [None, self.slot, None, *kv, *(step.weights if step is not None else ())],
+                      torch.zeros(batch, dtype=torch.long))  # the padding of a batch with none (the package reads it)
 
     def unbind(self) -> None:
         """Forget the bound request (its caches are freed, or the routers' modes change)."""
