@@ -264,3 +264,4 @@ def test_the_serving_bench_reports_vllms_figures_for_each_level(tmp_path):
         assert row["failed"] == 0 and row["requests"] == 2 and row["output_tokens_per_s"] > 0
         assert row["ttft_ms"]["median"] > 0 and row["tpot_ms"]["p99"] >= row["tpot_ms"]["median"]
     assert rows["model.generate c=1"]["output_tokens_per_s"] > 0 and "TTFT med" in done.stdout
+    assert rows["model.generate compiled c=1"]["output_tokens_per_s"] > 0
