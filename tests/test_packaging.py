@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import sysconfig
 import venv
+from pathlib import Path
 
 import pytest
 
@@ -29,8 +31,15 @@ def test_every_script_has_a_console_script_calling_the_same_function():
 def test_a_plain_install_gives_working_commands(tmp_path):
     """Installed without -e into a fresh environment (torch and the others seen from this one's site-packages)."""
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, system_site_packages=True, with_pip=True)
+    venv.create(env_dir, with_pip=True)
     bin_dir = env_dir / "bin"
+    # This environment's packages as plain paths after the new one's own: its .pth files (this checkout's editable
+    # install among them) are not read there. `system_site_packages` would give the base interpreter's instead,
+    # which in a virtual environment (as CI runs) need not hold torch.
+    inner = subprocess.run([bin_dir / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    (Path(inner) / "outer-environment.pth").write_text("".join(f"{p}\n" for p in sorted(ours)))
     done = subprocess.run([bin_dir / "python", "-m", "pip", "install", "--no-deps", "-q",
                            str(ROOT)], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
