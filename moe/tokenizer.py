@@ -224,27 +224,32 @@ def train_tokenizer(text_file: Path, vocab_size: int, out: Path) -> None:
 class IncrementalDecoder:
     """Turns a growing list of token ids into new text pieces.
 
-    SentencePiece decodes a piece differently depending on its neighbours (leading spaces, byte-fallback
-    pieces of one UTF-8 character), so decode the whole tail after a few prompt tokens of context and emit
-    only what is new and complete. The context's own text is decoded once, not per token.
+    A tokenizer decodes a piece differently depending on its neighbours (SentencePiece's leading spaces, the bytes
+    of one UTF-8 character over several tokens), so each new token is decoded within a short window: the tokens
+    since the last piece, after the ones before it as context, and only what is new and complete is emitted (as
+    vLLM's and transformers' streamers do). A token costs the same at the 10th as at the 10,000th; decoding the
+    whole text each time made a long answer's tokens cost more and more.
     """
 
     CONTEXT = 4  # prompt tokens kept before the new ones: enough for the space and UTF-8 decisions
 
     def __init__(self, tokenizer: Tokenizer, prompt: list[int] | None = None) -> None:
-        self.tokenizer, self.ids, self.emitted = tokenizer, list(prompt or [])[-self.CONTEXT:], ""
-        self.context_chars = len(tokenizer.decode(self.ids))
+        self.tokenizer, self.ids = tokenizer, list(prompt or [])[-self.CONTEXT:]  # the window
+        self.read = len(self.ids)  # the window's first token not yet emitted: the ones before it are its context
+        self.known = tokenizer.decode(self.ids)  # the context's text, which the window's text begins with
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)[self.context_chars:]
-        if text.endswith("\ufffd"):
-            return ""  # an incomplete UTF-8 character; wait for its other bytes
-        new, self.emitted = text[len(self.emitted):], text
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd") or len(text) <= len(self.known):
+            return ""  # an incomplete UTF-8 character (wait for its other bytes), or no text yet
+        new = text[len(self.known):]
+        self.ids = self.ids[self.read:]  # the next window: this piece's tokens are its context
+        self.read, self.known = len(self.ids), self.tokenizer.decode(self.ids)
         return new
 
     def flush(self) -> str:
         """At the end: what is left, an incomplete character's replacement mark included (as a decode gives it)."""
-        text = self.tokenizer.decode(self.ids)[self.context_chars:]
-        new, self.emitted = text[len(self.emitted):], text
+        text = self.tokenizer.decode(self.ids)
+        new, self.read, self.known = text[len(self.known):], len(self.ids), text
         return new

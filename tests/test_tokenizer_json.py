@@ -5,6 +5,7 @@ splits a UTF-8 character, and every EOS of generation_config.json stops a sequen
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -99,3 +100,36 @@ def test_sampling_defaults_of_generation_config_apply_where_none_is_given(tmp_pa
         greedy = model.generate([[1, 5, 9]], max_new_tokens=8, temperature=0)
         assert model.last_defaults == ["top_k"]
         assert greedy == model.generate([[1, 5, 9]], max_new_tokens=8, temperature=0, top_k=1)
+
+
+class Counting:
+    """A tokenizer whose decode calls are counted by length: the windows an incremental decoder asks for."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.longest = tokenizer, 0
+
+    def decode(self, ids: list[int]) -> str:
+        self.longest = max(self.longest, len(ids))
+        return self.tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("kind", ["tokenizer.json", "sentencepiece"])
+def test_a_long_stream_adds_up_to_the_tokenizers_text_in_short_windows(ckpt, kind):
+    """Random ids (bytes that need not form UTF-8, pieces with and without leading spaces): the pieces and the final
+    flush give the tokenizer's own decode of the whole text after the prompt, and no decode call ever sees more
+    than a few tokens, however long the answer (the cost of a token does not grow with it)."""
+    import random
+
+    from moe.tokenizer import load_tokenizer
+
+    path, _, _ = ckpt
+    whole = (MoEModel.from_pretrained(path).tokenizer if kind == "tokenizer.json"
+             else load_tokenizer(Path(__file__).resolve().parents[1] / "weights" / "tiny-moe-austen-bbe"))
+    rng = random.Random(0)
+    prompt, ids = [rng.randrange(4, 300) for _ in range(6)], [rng.randrange(4, 300) for _ in range(1500)]
+    counting = Counting(whole)
+    decoder = IncrementalDecoder(counting, prompt)
+    pieces = [decoder.push(t) for t in ids] + [decoder.flush()]
+    context = prompt[-IncrementalDecoder.CONTEXT:]
+    assert "".join(pieces) == whole.decode(context + ids)[len(whole.decode(context)):]
+    assert counting.longest <= 24
