@@ -255,13 +255,15 @@ def test_the_serving_bench_reports_vllms_figures_for_each_level(tmp_path):
     out = tmp_path / "serve.json"
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_serve.py"), "--ckpt", str(TRAINED),
                            "--threads", "2", "--concurrency", "1,2", "--requests", "2", "--input-len", "8",
-                           "--output-len", "4", "--compile", "--json", str(out)], capture_output=True, text=True,
-                          timeout=600)
+                           "--output-len", "4", "--compile", "--turns", "2", "--json", str(out)], capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    for name in (f"ours x1{compiled} c={level}" for compiled in ("", " compiled") for level in (1, 2)):
-        row = rows[name]
-        assert row["failed"] == 0 and row["requests"] == 2 and row["output_tokens_per_s"] > 0
+    for name, level in ((f"ours x1{compiled} c={level}", level) for compiled in ("", " compiled") for level in (1, 2)):
+        row, rounds = rows[name], 2 if level == 1 else 1  # c=1 in turns with model.generate
+        assert row["failed"] == 0 and row["requests"] == 2 * rounds and len(row["rounds"]) == rounds
+        assert row["output_tokens_per_s"] > 0
         assert row["ttft_ms"]["median"] > 0 and row["tpot_ms"]["p99"] >= row["tpot_ms"]["median"]
-    assert rows["model.generate c=1"]["output_tokens_per_s"] > 0 and "TTFT med" in done.stdout
-    assert rows["model.generate compiled c=1"]["output_tokens_per_s"] > 0
+    for name in ("model.generate c=1", "model.generate compiled c=1"):
+        assert rows[name]["output_tokens_per_s"] > 0 and len(rows[name]["rounds"]) == 2
+    assert "TTFT med" in done.stdout and "each round:" in done.stdout

@@ -1,10 +1,14 @@
 """A load generator for OpenAI-compatible servers (ours, llama-server), with vLLM's serving-benchmark metrics.
 
-Each request streams `/v1/completions` (raw server-sent events over httpx, `ignore_eos`, a fixed `max_tokens`) and
+Each request streams `/v1/completions` (raw server-sent events over aiohttp, `ignore_eos`, a fixed `max_tokens`) and
 is timed from send: time to first token (TTFT), time per output token after the first (TPOT: (latency - TTFT) /
 (tokens - 1)), and every gap between two streamed chunks (ITL). Closed loop: `concurrency` clients, each sending
 its next request when the last one ends. Open loop: requests sent at Poisson arrivals of a given rate, whatever is
 still running.
+
+The client is aiohttp, as vLLM's serving benchmark's: on a machine of few cores the load generator shares them with
+the server it measures, and httpx's streaming took 0.6 ms of CPU a streamed token here (a 6 ms decode step), aiohttp's
+0.25 ms.
 """
 
 from __future__ import annotations
@@ -27,20 +31,21 @@ class Timing:
     error: str = ""
 
 
-async def one_request(client, url: str, model: str, prompt, max_tokens: int) -> Timing:
+async def one_request(session, url: str, model: str, prompt, max_tokens: int) -> Timing:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     out, start = Timing(), time.perf_counter()
     last = None
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                out.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+        async with session.post(url + "/v1/completions", json=body) as response:
+            if response.status != 200:
+                out.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
                 return out
-            async for line in response.aiter_lines():
-                if line == "data: [DONE]":
+            async for raw in response.content:  # one line at a time
+                line = raw.rstrip(b"\r\n")
+                if line == b"data: [DONE]":
                     out.ok = last is not None
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
@@ -63,33 +68,36 @@ async def one_request(client, url: str, model: str, prompt, max_tokens: int) -> 
     return out
 
 
+def _session(connections: int):
+    import aiohttp
+
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                 connector=aiohttp.TCPConnector(limit=connections))
+
+
 async def closed_loop(url: str, model: str, prompts: list, max_tokens: int, concurrency: int,
                       requests: int) -> tuple[list[Timing], float]:
-    import httpx
-
     queue = list(range(requests))
     results: list[Timing] = []
 
-    async def client_loop(client) -> None:
+    async def client_loop(session) -> None:
         while queue:
             i = queue.pop()
-            results.append(await one_request(client, url, model, prompts[i % len(prompts)], max_tokens))
+            results.append(await one_request(session, url, model, prompts[i % len(prompts)], max_tokens))
 
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+    async with _session(concurrency + 4) as session:
         start = time.perf_counter()
-        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+        await asyncio.gather(*(client_loop(session) for _ in range(concurrency)))
         return results, time.perf_counter() - start
 
 
 async def open_loop(url: str, model: str, prompts: list, max_tokens: int, rate: float, requests: int,
                     seed: int = 0) -> tuple[list[Timing], float]:
-    import httpx
-
     rng = random.Random(seed)
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=requests + 4)) as client:
+    async with _session(requests + 4) as session:
         start, tasks = time.perf_counter(), []
         for i in range(requests):
-            tasks.append(asyncio.create_task(one_request(client, url, model, prompts[i % len(prompts)], max_tokens)))
+            tasks.append(asyncio.create_task(one_request(session, url, model, prompts[i % len(prompts)], max_tokens)))
             await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
         return list(results), time.perf_counter() - start

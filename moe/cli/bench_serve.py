@@ -8,7 +8,8 @@ Each level is run on every server in turn (ours on each --gpus, then llama-serve
 idle while another is measured. Prompts are the same token ids for every server; every request streams
 `max_tokens` tokens with `ignore_eos`. llama-server runs with `-np` = the largest concurrency, `-t`/`-tb` = the
 threads, prompt caching off. Also measured: `model.generate` alone, one request at a time, eager and (--compile)
-compiled, the figures the servers' c=1 is set against (the 1-request goal).
+compiled, the figures the servers' c=1 is set against (the 1-request goal); c=1 runs `--turns` rounds, the servers
+and `model.generate` in turns, and the ratio is given for each round.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import asyncio
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -79,23 +82,48 @@ def servers(args, path: Path, levels: list[int]) -> dict[str, tuple[subprocess.P
     return running
 
 
-def generate_alone(path: Path, args, prompt: list[int], compile: bool) -> float:
-    """Output tokens/s of `model.generate` for one request of the same lengths, in a fresh process, its decode steps
-    eager or compiled as the server they are set against (`compile=True` builds the step's package in the warm-up
-    where it is missing): the median of 3 timed requests, since one request is a few hundred ms of a machine whose
-    bandwidth moves from one spell to the next."""
-    request = f"m.generate([{prompt!r}], max_new_tokens={args.output_len}, ignore_eos=True)"
-    code = ("import statistics, sys, time, torch; from moe import MoEModel\n"
-            f"torch.set_num_threads({args.threads})\n"
-            f"m = MoEModel.from_pretrained({str(path)!r}, dtype={args.dtype!r}, compile={compile!r})\n"
-            f"{request}\n"
-            "rates = []\n"
-            "for _ in range(3):\n"
-            f"    t = time.perf_counter(); {request}\n"
-            f"    rates.append({args.output_len} / (time.perf_counter() - t))\n"
-            "print(statistics.median(rates))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    return float(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else float("nan")
+class GenerateAlone:
+    """`model.generate` in a process of its own, kept loaded, timing one request at a time when told: the figure a
+    server's c=1 is set against (the 1-request goal), its decode steps eager or compiled as that server's
+    (`compile=True` builds the step's package in the warm-up where it is missing). It runs in turns with the servers,
+    since a request is a few hundred ms of a machine whose bandwidth moves from one spell to the next."""
+
+    def __init__(self, path: Path, args, prompts: list[list[int]], compile: bool) -> None:
+        request = f"m.generate([prompts[i % len(prompts)]], max_new_tokens={args.output_len}, ignore_eos=True)"
+        code = ("import json, sys, time, torch; from moe import MoEModel\n"
+                f"torch.set_num_threads({args.threads}); prompts = {prompts!r}\n"
+                f"m = MoEModel.from_pretrained({str(path)!r}, dtype={args.dtype!r}, compile={compile!r})\n"
+                "i = 0\n"
+                f"{request}\n"
+                "print('ready', flush=True)\n"
+                "for line in sys.stdin:\n"
+                "    t = time.perf_counter()\n"
+                "    for i in range(int(line)):\n"
+                f"        {request}\n"
+                "    seconds = time.perf_counter() - t\n"
+                f"    print(json.dumps({{'seconds': seconds, 'tokens': int(line) * {args.output_len}}}), flush=True)")
+        self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a compile's progress never fills it and blocks
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True)
+
+    def wait(self) -> GenerateAlone:
+        """Until it is loaded and warm: nothing is measured while a process beside it loads."""
+        if self.proc.stdout.readline().strip() != "ready":
+            self.log.seek(0)
+            raise RuntimeError(f"model.generate did not start: {self.log.read()[-500:]}")
+        return self
+
+    def measure(self, requests: int) -> dict:
+        """The seconds and output tokens of `requests` requests one after another, as a closed loop at c=1 counts
+        them."""
+        self.proc.stdin.write(f"{requests}\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())  # {"seconds": ..., "tokens": ...}
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+        self.log.close()
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -118,6 +146,9 @@ def bench(args: argparse.Namespace) -> int:
     print(f"machine: {cpu_name()}; {args.threads} thread(s); model {path.name}, {args.dtype}; prompts of "
           f"{args.input_len} tokens, {args.output_len} new tokens each; commit {commit()}")
     running = servers(args, path, levels)
+    alone = {} if 1 not in levels else {  # one after the other: a compile does not slow the other's load
+        "model.generate": GenerateAlone(path, args, prompts, False).wait(),
+        **({"model.generate compiled": GenerateAlone(path, args, prompts, True).wait()} if args.compile else {})}
     rows: dict[str, dict] = {}
     try:
         for _, url, model in running.values():  # warm-up: first requests build kernels and caches
@@ -126,26 +157,48 @@ def bench(args: argparse.Namespace) -> int:
             for name, (_, url, model) in running.items():
                 rows[f"{name} rate {args.rate}/s"] = soak(args, url, model, prompts, running[name][0].pid)
         for level in levels:
-            n = args.requests or max(2 * level, 8)
-            for name, (_, url, model) in running.items():
-                results, seconds = asyncio.run(closed_loop(url, model, prompts, args.output_len, level, n))
-                rows[f"{name} c={level}"] = summary(results, seconds)
-        rows["model.generate c=1"] = {"output_tokens_per_s": generate_alone(path, args, prompts[0], False)}
-        if args.compile:
-            rows["model.generate compiled c=1"] = {"output_tokens_per_s": generate_alone(path, args, prompts[0], True)}
+            rows.update(measure_level(args, running, alone if level == 1 else {}, prompts, level))
     finally:
+        for worker in alone.values():
+            worker.close()
         for proc, _, _ in running.values():
             proc.terminate()
             proc.wait(timeout=120)
     print(table({k: v for k, v in rows.items() if "ttft_ms" in v}))
     for name, how, server in (("model.generate c=1", "eager", "ours x1 c=1"),
                               ("model.generate compiled c=1", "compiled", "ours x1 compiled c=1")):
-        if name in rows:
-            print(f"model.generate, one request at a time, {how} steps: {rows[name]['output_tokens_per_s']:.1f} tok/s "
-                  f"(the c=1 goal: {server} >= 0.9x this)")
+        if name in rows and server in rows:
+            ratios = [a / b for a, b in zip(rows[server]["rounds"], rows[name]["rounds"], strict=True)]
+            print(f"model.generate, one request at a time, {how} steps: {rows[name]['output_tokens_per_s']:.1f} tok/s; "
+                  f"{server} / it, each round: {' '.join(f'{r:.2f}x' for r in ratios)} "
+                  f"(median {statistics.median(ratios):.2f}x; the c=1 goal: >= 0.9x)")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": cpu_name(), "commit": commit(), "rows": rows}, indent=1))
     return 0
+
+
+def measure_level(args, running: dict, alone: dict, prompts: list, level: int) -> dict[str, dict]:
+    """Every server's closed loop at `level`, in turns; at c=1 `--turns` rounds of every server and every
+    `model.generate` beside them (`alone`), each row's figures over all its rounds and its tokens/s in each."""
+    n = args.requests or max(2 * level, 8)
+    timings: dict[str, list] = {}
+    rounds: dict[str, list[float]] = {}
+    spent: dict[str, list[dict]] = {}
+    for _ in range(args.turns if level == 1 else 1):
+        for name, (_, url, model) in running.items():
+            results, seconds = asyncio.run(closed_loop(url, model, prompts, args.output_len, level, n))
+            timings.setdefault(name, []).append((results, seconds))
+            rounds.setdefault(name, []).append(summary(results, seconds)["output_tokens_per_s"])
+        for name, worker in alone.items():
+            spent.setdefault(name, []).append(worker.measure(n))
+            rounds.setdefault(name, []).append(spent[name][-1]["tokens"] / spent[name][-1]["seconds"])
+    rows = {f"{name} c={level}": {**summary([r for results, _ in runs for r in results], sum(s for _, s in runs)),
+                                  "rounds": rounds[name]} for name, runs in timings.items()}
+    for name in alone:
+        tokens, seconds = (sum(d[k] for d in spent[name]) for k in ("tokens", "seconds"))
+        rows[f"{name} c=1"] = {"requests": n * len(rounds[name]), "rounds": rounds[name],
+                               "output_tokens_per_s": tokens / seconds}
+    return rows
 
 
 def soak(args, url: str, model: str, prompts: list, pid: int) -> dict:
@@ -198,6 +251,8 @@ def parser() -> argparse.ArgumentParser:
                     help="our servers' rank counts, comma-separated (default 1)")
     ap.add_argument("--concurrency", default="1,2,4,8,16", help="closed-loop levels (default 1,2,4,8,16)")
     ap.add_argument("--requests", type=int, default=None, help="requests per level (default max(2 x level, 8))")
+    ap.add_argument("--turns", type=int, default=3,
+                    help="rounds of c=1, every server and model.generate in turns (default 3)")
     ap.add_argument("--rate", type=float, default=None, help="also an open loop at this many requests/s")
     ap.add_argument("--soak-seconds", type=float, default=None,
                     help="the open loop's length (a soak: failures and memory over a long run)")

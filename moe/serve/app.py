@@ -5,6 +5,7 @@ loop's thread through an asyncio queue. A client that goes away cancels its sequ
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from dataclasses import dataclass, field
@@ -136,65 +137,54 @@ class OpenAIServer:
         if self.state.scheduler is None:
             raise ApiError(503, "the model is still loading", kind="ServiceUnavailable", headers={"Retry-After": "5"})
         parsed = [protocol.sampling(body, kind, len(p), self.state.max_model_len, turn_end) for p in prompts]
-        loop, queues, submitted = asyncio.get_running_loop(), [], []
-        try:
-            for prompt, p in zip(prompts, parsed, strict=True):
-                queue: asyncio.Queue = asyncio.Queue()
-                sink = (lambda q: lambda event: loop.call_soon_threadsafe(q.put_nowait, event))(queue)
+        loop, events, submitted = asyncio.get_running_loop(), asyncio.Queue(), []
+        try:  # every prompt's events reach this request's one queue, with the prompt's index
+            for i, (prompt, p) in enumerate(zip(prompts, parsed, strict=True)):
+                sink = functools.partial(post, loop, events, i)
                 submitted.append(self.state.scheduler.submit(Request(prompt, p.params, sink)))
-                queues.append(queue)
         except QueueFull as e:
             for r in submitted:
                 self.state.scheduler.cancel(r)
             raise ApiError(503, str(e), kind="ServiceUnavailable", headers={"Retry-After": "1"}) from None
         rid = protocol.new_id(kind)
         if parsed[0].stream:
-            return StreamingResponse(self.stream(request, kind, rid, submitted, queues, parsed[0].include_usage),
+            return StreamingResponse(self.stream(kind, rid, submitted, events, parsed[0].include_usage),
                                      media_type="text/event-stream")
-        return await self.whole(request, kind, rid, submitted, queues)
+        return await self.whole(request, kind, rid, submitted, events)
 
-    async def whole(self, request, kind, rid, submitted, queues) -> Response:
-        choices, used = [], [0, 0]
+    async def whole(self, request, kind, rid, submitted, events: asyncio.Queue) -> Response:
+        pieces, entries, outs = [[] for _ in submitted], [[] for _ in submitted], [None] * len(submitted)
         try:
-            for i, (req, queue) in enumerate(zip(submitted, queues, strict=True)):
-                text, entries, out = await self.collect(request, queue)
-                choices.append(protocol.choice(kind, i, text, out, self.logprobs(kind, entries), delta=False))
-                used[0], used[1] = used[0] + len(req.prompt), used[1] + len(out.tokens)
+            while any(out is None for out in outs):
+                i, event = await next_event(request, events)
+                if event[0] == "token":
+                    pieces[i].append(event[2])
+                    if event[3] is not None:
+                        entries[i].append((event[1], *event[3]))
+                elif event[0] == "end":
+                    outs[i] = event[1]
+                else:
+                    status = event[2] if len(event) > 2 else 503
+                    kind_of = "InternalServerError" if status == 500 else "ServiceUnavailable"
+                    raise ApiError(status, event[1], kind=kind_of)
         finally:
             for req in submitted:
                 self.state.scheduler.cancel(req)  # a no-op for finished ones; frees the rest if the client went away
-        return JSONResponse(protocol.envelope(kind, rid, self.state.served, choices, False, protocol.usage(*used)))
+        choices = [protocol.choice(kind, i, "".join(pieces[i]), out,
+                                   self.logprobs(kind, entries[i] if out.logprobs is not None else None), delta=False)
+                   for i, out in enumerate(outs)]
+        use = protocol.usage(sum(len(r.prompt) for r in submitted), sum(len(out.tokens) for out in outs))
+        return JSONResponse(protocol.envelope(kind, rid, self.state.served, choices, False, use))
 
-    async def collect(self, request: HttpRequest, queue: asyncio.Queue):
-        pieces, entries = [], []
-        while True:
-            try:
-                event = await asyncio.wait_for(queue.get(), 0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    raise ApiError(499, "the client went away") from None
-                continue
-            if event[0] == "token":
-                pieces.append(event[2])
-                if event[3] is not None:
-                    entries.append((event[1], *event[3]))
-            elif event[0] == "end":
-                return "".join(pieces), entries if event[1].logprobs is not None else None, event[1]
-            else:
-                status = event[2] if len(event) > 2 else 503
-                raise ApiError(status, event[1], kind="InternalServerError" if status == 500 else "ServiceUnavailable")
-
-    async def stream(self, request, kind, rid, submitted, queues, include_usage):
-        merged: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(forward(i, q, merged)) for i, q in enumerate(queues)]
-        open_rows, completion = len(queues), 0
+    async def stream(self, kind, rid, submitted, events: asyncio.Queue, include_usage):
+        open_rows, completion = len(submitted), 0
         try:
             if kind == "chat":
                 first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}
                 yield sse(protocol.envelope(kind, rid, self.state.served, [first], True))
             while open_rows:
-                i, event = await merged.get()
+                i, event = await events.get()
                 if event[0] == "token":
                     completion += event[1] is not None
                     entries = [(event[1], *event[3])] if event[3] is not None else None
@@ -214,8 +204,6 @@ class OpenAIServer:
                 yield sse(protocol.envelope(kind, rid, self.state.served, [], True, use))
             yield "data: [DONE]\n\n"
         finally:  # finished, or the client went away: its sequences leave at the next step
-            for task in tasks:
-                task.cancel()
             for req in submitted:
                 self.state.scheduler.cancel(req)
 
@@ -239,12 +227,19 @@ class OpenAIServer:
             raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY)", kind="AuthenticationError")
 
 
-async def forward(index: int, source: asyncio.Queue, merged: asyncio.Queue) -> None:
+def post(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int, event: tuple) -> None:
+    """A request's sink, called on the engine loop's thread: the event to the HTTP thread's queue."""
+    loop.call_soon_threadsafe(events.put_nowait, (index, event))
+
+
+async def next_event(request: HttpRequest, events: asyncio.Queue):
+    """The next (prompt index, event) of a whole (not streamed) answer; a client gone away ends it."""
     while True:
-        event = await source.get()
-        await merged.put((index, event))
-        if event[0] != "token":
-            return
+        try:
+            return await asyncio.wait_for(events.get(), 0.5)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                raise ApiError(499, "the client went away") from None
 
 
 def sse(obj: dict) -> str:
