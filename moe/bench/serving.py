@@ -69,10 +69,12 @@ async def one_request(session, url: str, model: str, prompt, max_tokens: int) ->
 
 
 def _session(connections: int):
+    """A connection per request, as vLLM's benchmark has: a kept-alive one is closed by llama-server after a few
+    requests (cpp-httplib's keep-alive count), and a request sent on it as it closes fails."""
     import aiohttp
 
     return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
-                                 connector=aiohttp.TCPConnector(limit=connections))
+                                 connector=aiohttp.TCPConnector(limit=connections, force_close=True))
 
 
 async def closed_loop(url: str, model: str, prompts: list, max_tokens: int, concurrency: int,
