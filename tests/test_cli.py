@@ -45,7 +45,7 @@ def test_generate_batch_from_prompt_file(tmp_path):
 
 
 def test_cpu_kernels_flag_gives_the_same_greedy_text():
-    """--cpu-kernels auto (the default: the streaming kernel, oneDNN for prompts), onednn and torch (plain F.linear)
+    """--cpu-kernels auto (the default: the native kernels where they built), onednn and torch (plain F.linear)
     write the same greedy text."""
     args = ("--prompt", "It is a truth universally acknowledged, that", "--max-new-tokens", "24", "--seed", "0")
     texts = []

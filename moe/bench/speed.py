@@ -53,8 +53,9 @@ def read_bandwidth(threads: int, mib: int = 512, repeats: int = 9) -> float:
 
 def matmul_peak(threads: int, dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 7) -> dict:
     """GFLOP/s of a large square matrix product, median of `repeats`: with torch's `a @ b` (MKL on CPU, the
-    figure the issue's targets use) and, where available, oneDNN with a packed weight (what we run). bf16 on a CPU
-    without bf16 instructions: the fp32 peak, since prompts widen to fp32 there (`onednn.widened`)."""
+    figure the issue's targets use) and, where available, oneDNN with a packed weight (what bf16 prompts run on a
+    CPU with bf16 instructions). bf16 on a CPU without bf16 instructions: the fp32 peak, since prompts widen to
+    fp32 there (`onednn.widened`)."""
     from models.kernels import onednn
 
     torch.set_num_threads(threads)

@@ -16,7 +16,8 @@ ranks it also counts, inside the rank processes, the collectives and host syncs 
 Bounds: decode against memory bandwidth (weight bytes a step must read / step time), over the copy
 bandwidth counted as bytes copied per second (the issue's definition) and over the read bandwidth (the
 physical limit of a step that only reads weights); prefill against the matrix-product peak of torch's `a @ b`
-(the issue's definition; MKL on CPU) and of oneDNN (what this project runs).
+(the issue's definition; MKL on CPU) and of oneDNN (what bf16 prompts run on a CPU with bf16 instructions;
+the others run the project's native gemm).
 """
 
 from __future__ import annotations
