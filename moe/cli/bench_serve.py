@@ -106,24 +106,34 @@ class GenerateAlone:
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True)
 
-    def wait(self) -> GenerateAlone:
+    def wait(self) -> None:
         """Until it is loaded and warm: nothing is measured while a process beside it loads."""
         if self.proc.stdout.readline().strip() != "ready":
-            self.log.seek(0)
-            raise RuntimeError(f"model.generate did not start: {self.log.read()[-500:]}")
-        return self
+            raise RuntimeError(f"model.generate did not start: {self.said()}")
 
     def measure(self, requests: int) -> dict:
         """The seconds and output tokens of `requests` requests one after another, as a closed loop at c=1 counts
         them."""
         self.proc.stdin.write(f"{requests}\n")
         self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())  # {"seconds": ..., "tokens": ...}
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"model.generate exited: {self.said()}")
+        return json.loads(line)  # {"seconds": ..., "tokens": ...}
+
+    def said(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-500:]
 
     def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=120)
-        self.log.close()
+        try:
+            self.proc.stdin.close()  # its loop ends
+            self.proc.wait(timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        finally:
+            self.log.close()
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -146,11 +156,13 @@ def bench(args: argparse.Namespace) -> int:
     print(f"machine: {cpu_name()}; {args.threads} thread(s); model {path.name}, {args.dtype}; prompts of "
           f"{args.input_len} tokens, {args.output_len} new tokens each; commit {commit()}")
     running = servers(args, path, levels)
-    alone = {} if 1 not in levels else {  # one after the other: a compile does not slow the other's load
-        "model.generate": GenerateAlone(path, args, prompts, False).wait(),
-        **({"model.generate compiled": GenerateAlone(path, args, prompts, True).wait()} if args.compile else {})}
+    alone: dict[str, GenerateAlone] = {}
     rows: dict[str, dict] = {}
     try:
+        for name, compiled in (("model.generate", False), ("model.generate compiled", True)):
+            if 1 in levels and (args.compile or not compiled):  # one after the other: a compile never slows a load
+                alone[name] = GenerateAlone(path, args, prompts, compiled)
+                alone[name].wait()
         for _, url, model in running.values():  # warm-up: first requests build kernels and caches
             asyncio.run(closed_loop(url, model, prompts, 4, 1, 1))
         if args.rate:
@@ -276,4 +288,6 @@ def parser() -> argparse.ArgumentParser:
 def run(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     args.rank_counts = [int(g) for g in args.rank_counts.split(",")]
+    if args.turns < 1:
+        parser().error(f"--turns {args.turns}: give at least 1 round")
     return run_command(bench, args)
