@@ -31,17 +31,23 @@ from moe.cli.common import run_command
 
 
 def start(cmd: list[str], url: str, env: dict | None = None) -> subprocess.Popen:
-    import httpx
+    """A server process, once its /health says 200. Its stderr goes to a file, not a pipe: a pipe nobody reads
+    fills (a compile's progress, a long soak's warnings) and stops the server."""
+    import urllib.error
+    import urllib.request
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[0]} exited: {proc.stderr.read()[-500:]}")
+            log.seek(0)
+            raise RuntimeError(f"{cmd[0]} exited: {log.read()[-500:]}")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
+            with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                if response.status == 200:
+                    return proc
+        except (urllib.error.URLError, OSError):  # not listening yet, or 503 while it loads
             pass
         time.sleep(0.5)
     proc.kill()
