@@ -41,8 +41,7 @@ def start(cmd: list[str], url: str, env: dict | None = None) -> subprocess.Popen
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"{cmd[0]} exited: {log.read()[-500:]}")
+            raise RuntimeError(f"{cmd[0]} exited: {tail(log)}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as response:
                 if response.status == 200:
@@ -52,6 +51,12 @@ def start(cmd: list[str], url: str, env: dict | None = None) -> subprocess.Popen
         time.sleep(0.5)
     proc.kill()
     raise RuntimeError(f"{cmd[0]} did not become healthy within 600 s")
+
+
+def tail(log) -> str:
+    """The end of what a process wrote to its stderr file: why it stopped."""
+    log.seek(0)
+    return log.read()[-500:]
 
 
 def servers(args, path: Path, levels: list[int]) -> dict[str, tuple[subprocess.Popen, str, str]]:
@@ -115,7 +120,7 @@ class GenerateAlone:
     def wait(self) -> None:
         """Until it is loaded and warm: nothing is measured while a process beside it loads."""
         if self.proc.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"model.generate did not start: {self.said()}")
+            raise RuntimeError(f"model.generate did not start: {tail(self.log)}")
 
     def measure(self, requests: int) -> dict:
         """The seconds and output tokens of `requests` requests one after another, as a closed loop at c=1 counts
@@ -124,12 +129,8 @@ class GenerateAlone:
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"model.generate exited: {self.said()}")
+            raise RuntimeError(f"model.generate exited: {tail(self.log)}")
         return json.loads(line)  # {"seconds": ..., "tokens": ...}
-
-    def said(self) -> str:
-        self.log.seek(0)
-        return self.log.read()[-500:]
 
     def close(self) -> None:
         try:
@@ -199,23 +200,19 @@ def measure_level(args, running: dict, alone: dict, prompts: list, level: int) -
     """Every server's closed loop at `level`, in turns; at c=1 `--turns` rounds of every server and every
     `model.generate` beside them (`alone`), each row's figures over all its rounds and its tokens/s in each."""
     n = args.requests or max(2 * level, 8)
-    timings: dict[str, list] = {}
-    rounds: dict[str, list[float]] = {}
-    spent: dict[str, list[dict]] = {}
+    runs: dict[str, list[tuple[list, float]]] = {}  # a server's (results, seconds) in each round
+    spent: dict[str, list[dict]] = {}  # a model.generate's seconds and tokens in each round
     for _ in range(args.turns if level == 1 else 1):
         for name, (_, url, model) in running.items():
-            results, seconds = asyncio.run(closed_loop(url, model, prompts, args.output_len, level, n))
-            timings.setdefault(name, []).append((results, seconds))
-            rounds.setdefault(name, []).append(summary(results, seconds)["output_tokens_per_s"])
+            runs.setdefault(name, []).append(asyncio.run(closed_loop(url, model, prompts, args.output_len, level, n)))
         for name, worker in alone.items():
             spent.setdefault(name, []).append(worker.measure(n))
-            rounds.setdefault(name, []).append(spent[name][-1]["tokens"] / spent[name][-1]["seconds"])
-    rows = {f"{name} c={level}": {**summary([r for results, _ in runs for r in results], sum(s for _, s in runs)),
-                                  "rounds": rounds[name]} for name, runs in timings.items()}
-    for name in alone:
-        tokens, seconds = (sum(d[k] for d in spent[name]) for k in ("tokens", "seconds"))
-        rows[f"{name} c=1"] = {"requests": n * len(rounds[name]), "rounds": rounds[name],
-                               "output_tokens_per_s": tokens / seconds}
+    rows = {f"{name} c={level}": {**summary([r for results, _ in rs for r in results], sum(s for _, s in rs)),
+                                  "rounds": [summary(*r)["output_tokens_per_s"] for r in rs]}
+            for name, rs in runs.items()}
+    for name, done in spent.items():
+        rows[f"{name} c=1"] = {"requests": n * len(done), "rounds": [d["tokens"] / d["seconds"] for d in done],
+                               "output_tokens_per_s": sum(d["tokens"] for d in done) / sum(d["seconds"] for d in done)}
     return rows
 
 
