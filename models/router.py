@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.kernels import native
 from models.kernels.choice import KernelChoice
 from models.weights import Dense
 
@@ -42,6 +43,7 @@ class Router(nn.Module):
         # Training keeps the last gate logits (with their graph) for the load-balancing loss.
         self.last_logits_TE: torch.Tensor | None = None
         self.gate: Dense | None = None  # the gate's product in an inference model (`prepare_weights`)
+        self.native = False  # an inference model on native kernels: the choice in one op (`native.route`)
 
     def prepare_weights(self, choice: KernelChoice) -> None:
         """An inference model's gate runs through the kernels its other products use where they are native: torch's
@@ -49,6 +51,7 @@ class Router(nn.Module):
         Zen 4). A biased gate (gpt-oss) and DeepSeek's fp32 logits keep F.linear's rounding."""
         if choice.native and self.weight is not None and self.bias is None and not self.kind.startswith("deepseek"):
             self.gate = Dense(self.weight, choice)
+        self.native = choice.native
 
     def forward(self, x_TD: torch.Tensor, counting: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """`counting`: this rank keeps the entropy of these tokens (False where another rank routes them too)."""
@@ -58,11 +61,15 @@ class Router(nn.Module):
             weights_TK = torch.full((T, self.top_k), 1.0 / self.top_k, device=x_TD.device)
             return weights_TK, ids_TK
         if self.kind.startswith("deepseek"):
-            logits_TE = F.linear(x_TD.float(), self.weight.float())
+            logits = F.linear(x_TD.float(), self.weight.float())
         elif self.gate is not None and not self.training:
-            logits_TE = self.gate(x_TD).float()
+            logits = self.gate(x_TD)
         else:
-            logits_TE = F.linear(x_TD, self.weight, self.bias).float()
+            logits = F.linear(x_TD, self.weight, self.bias)
+        if self.native_route(x_TD) and not (self.track_entropy and counting):  # the op widens the logits itself
+            kind = 0 if self.kind == "mixtral" else 1
+            return native.route(logits, self.top_k, kind, self.renormalise, x_TD.dtype == torch.bfloat16)
+        logits_TE = logits.float()
         if self.track_entropy and counting:
             with torch.no_grad():
                 logp_TE = torch.log_softmax(logits_TE, dim=-1)
@@ -82,6 +89,13 @@ class Router(nn.Module):
             return top_TK.to(x_TD.dtype).float(), ids_TK  # rounded to the activations' precision, as transformers
         top_logits_TK, ids_TK = torch.topk(logits_TE, self.top_k, dim=-1)
         return torch.softmax(top_logits_TK, dim=-1), ids_TK
+
+    def native_route(self, x_TD: torch.Tensor) -> bool:
+        """The kinds `native.route` chooses for (with the chain's bits), outside training and compiled steps."""
+        kind_runs = self.kind == "mixtral" or (
+            self.kind == "softmax" and (not self.renormalise or self.top_k in native.ROUTE_RENORMALISES))
+        return (kind_runs and native.glue_runs(self.native) and not self.training
+                and x_TD.dtype in (torch.float32, torch.bfloat16))
 
 
 def sparsemixer(scores_TE: torch.Tensor, jitter: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -101,7 +101,17 @@ def test_an_eager_model_on_native_kernels_runs_the_glue_and_keeps_the_torch_answ
         assert ours_out == plain.generate(prompt, max_new_tokens=8, ignore_eos=True)
 
 
-def _decode_logits(model: MoEModel, steps: int = 4) -> list[torch.Tensor]:
+def family_checkpoint(name: str, tmp_path):
+    """The shipped Mixtral checkpoint, or a tiny random one of another family (`tests.test_families.hf_family`)."""
+    if name == "mixtral":
+        return SHIPPED
+    from tests.test_families import hf_family
+
+    hf_family(name).save_pretrained(tmp_path / name)
+    return tmp_path / name
+
+
+def decode_logits(model: MoEModel, steps: int = 4) -> list[torch.Tensor]:
     """A padded batch of two prompts, then `steps` greedy decode steps: each step's logits."""
     engine, prompts = model.engine, torch.tensor([[0, 0, 5, 9, 3], [1, 7, 2, 8, 4]])
     with torch.inference_mode():
@@ -117,16 +127,10 @@ def _decode_logits(model: MoEModel, steps: int = 4) -> list[torch.Tensor]:
 def test_a_decode_steps_attention_in_one_op_gives_the_ops_bits(name, dtype, tmp_path, monkeypatch):
     from models.attention import Attention
 
-    path = SHIPPED
-    if name != "mixtral":
-        from tests.test_families import hf_family
-
-        path = tmp_path / name
-        hf_family(name).save_pretrained(path)
-    with MoEModel.from_pretrained(path, dtype=dtype, compile=False) as model:
+    with MoEModel.from_pretrained(family_checkpoint(name, tmp_path), dtype=dtype, compile=False) as model:
         assert decode_step_ops(model.engine)["moe_cpu.attend_one"] == model.config.n_layers
-        fused = _decode_logits(model)
+        fused = decode_logits(model)
         monkeypatch.setattr(Attention, "attends_in_one_op", lambda *args: False)
         assert not decode_step_ops(model.engine)["moe_cpu.attend_one"]
-        for one_op, op_by_op in zip(fused, _decode_logits(model), strict=True):
+        for one_op, op_by_op in zip(fused, decode_logits(model), strict=True):
             assert torch.equal(one_op, op_by_op)

@@ -24,11 +24,12 @@ def sdpa(q, k, v, mask):
 
 @pytest.mark.parametrize("shape", [(1, 8, 2, 256), (3, 8, 2, 37), (2, 4, 4, 7), (2, 6, 1, 100)])  # B, H, G, L
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 40, 128])  # the vector loops' widths (32 and 16 columns) and their tails
 @torch.inference_mode()
-def test_matches_sdpa_with_and_without_a_mask(shape, dtype):
+def test_matches_sdpa_with_and_without_a_mask(shape, dtype, dim):
     B, H, G, L = shape
     g = torch.Generator().manual_seed(L)
-    q, k, v = (torch.randn(B, n, length, 64, generator=g).to(dtype) for n, length in ((H, 1), (G, L), (G, L)))
+    q, k, v = (torch.randn(B, n, length, dim, generator=g).to(dtype) for n, length in ((H, 1), (G, L), (G, L)))
     mask = torch.rand(B, 1, 1, L, generator=g) < 0.5
     mask[..., -1] = True  # the step's own slot: always visible
     for m in (None, mask, mask[:1].expand(B, -1, -1, -1)):  # per sequence, none, one for all (stride 0)

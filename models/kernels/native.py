@@ -46,7 +46,7 @@ from models.kernels import cpuinfo
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("matvec.cpp", "prompt_gemm.cpp", "int8_rows.h", "row_dot.h", "pair_dot.h", "gemm_micro.h",
                         "gemm_layout.h", "decode_attention.cpp", "prompt_attention.cpp", "block_glue.h",
-                        "block_glue.cpp")]
+                        "block_glue.cpp", "router.cpp")]
 # Up to this many rows per weight the kernel runs (a decode step, small batches); more rows (prompts) are bound
 # by arithmetic and go to the prompt kernel (or oneDNN, MKL where it does not run).
 MAX_ROWS = 8
@@ -107,7 +107,8 @@ def available() -> bool:
             from torch.utils import cpp_extension
 
             print("building the CPU kernels (models/kernels/csrc: matvec.cpp, prompt_gemm.cpp, decode_attention.cpp, "
-                  "prompt_attention.cpp, block_glue.cpp), once per torch installation: 20-40 s", file=sys.stderr)
+                  "prompt_attention.cpp, block_glue.cpp, router.cpp), once per torch installation: 20-40 s",
+                  file=sys.stderr)
             library.parent.mkdir(parents=True, exist_ok=True)
             cpp_extension.load(name=name, sources=[str(p) for p in SOURCES if p.suffix == ".cpp"],
                                build_directory=str(library.parent), is_python_module=False,
@@ -284,6 +285,16 @@ def combine(y_ND: torch.Tensor, weight_N: torch.Tensor, token_N: torch.Tensor, n
 def count_ids(table: torch.Tensor, row: int, ids: torch.Tensor) -> None:
     """table[row, id] += 1 for each of `ids`."""
     _ops.count_ids(table, row, ids)
+
+
+ROUTE_RENORMALISES = (1, 2, 3, 4, 8)  # top-k counts `route` renormalises with torch's bits (router.cpp: why)
+
+
+def route(logits_TE: torch.Tensor, top_k: int, kind: int, renormalise: bool,
+          round_bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, K] fp32, ids [T, K]) of the router kinds "mixtral" (`kind` 0) and "softmax" (1), with the
+    bits of the torch chain `Router.forward` runs for them (`router.cpp`)."""
+    return _ops.route(logits_TE, top_k, kind, renormalise, round_bf16)
 
 
 def silu_mul(h_NF2: torch.Tensor) -> torch.Tensor:
