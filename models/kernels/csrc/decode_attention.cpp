@@ -4,8 +4,8 @@
 // allows (every key without a mask), g = h / (H / G). What torch's SDPA computes for one query, without what it
 // costs there: per head a matrix product call (an sgemv) for the scores and one for the values, and a fp32 copy
 // of a bf16 cache. Keys the mask hides are never read, so a step costs what the filled part of the cache costs,
-// not the cache's length. The query heads of a key head share each read of its keys and values. Scores and sums are fp32; exp is SLEEF's (torch's own vector exp); a row with no visible key gives NaN,
-// as SDPA does.
+// not the cache's length. The query heads of a key head share each read of its keys and values. Scores and sums
+// are fp32; exp is SLEEF's (torch's own vector exp); a row with no visible key gives NaN, as SDPA does.
 
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
@@ -50,7 +50,8 @@ void scores(const float* q, const T* k, int64_t key_stride, const std::vector<in
         __m256 kv[4];
         for (int u = 0; u < 4; ++u) kv[u] = moe_cpu::load_floats(row + c + 8 * u);
         for (int r = 0; r < R; ++r) {
-          for (int u = 0; u < 4; ++u) a[r][u] = _mm256_fmadd_ps(kv[u], _mm256_loadu_ps(q + r * d + c + 8 * u), a[r][u]);
+          const float* qr = q + r * d + c;
+          for (int u = 0; u < 4; ++u) a[r][u] = _mm256_fmadd_ps(kv[u], _mm256_loadu_ps(qr + 8 * u), a[r][u]);
         }
       }
       for (int r = 0; r < R; ++r) {

@@ -72,7 +72,8 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& logits_in, int64_t to
   TORCH_CHECK(!(kind == 1 && renormalise) || renormalises(top_k), "route: renormalises 1-4 or 8 weights, not ",
               top_k);
   const at::Tensor logits = logits_in.contiguous();
-  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16, "route: fp32 or bf16 logits");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,
+              "route: fp32 or bf16 logits");
   const int64_t T = logits.size(0), E = logits.size(1), K = top_k;
   at::Tensor weights = at::empty({T, K}, logits.options().dtype(at::kFloat));
   at::Tensor ids = at::empty({T, K}, logits.options().dtype(at::kLong));
@@ -83,7 +84,9 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& logits_in, int64_t to
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
     thread_local std::vector<std::pair<float, int64_t>> queue;
     thread_local std::vector<float> row, probs, top;
-    row.resize(E), probs.resize(E), top.resize(K);
+    row.resize(E);
+    probs.resize(E);
+    top.resize(K);
     for (int64_t t = begin; t < end; ++t) {
       const float* x = static_cast<const float*>(lp) + t * E;
       if (bf16) {  // widened exactly, as the chain's cast
