@@ -95,7 +95,7 @@ class Router(nn.Module):
         kind_runs = self.kind == "mixtral" or (
             self.kind == "softmax" and (not self.renormalise or self.top_k in native.ROUTE_RENORMALISES))
         return (kind_runs and native.glue_runs(self.native) and not self.training
-                and x_TD.dtype in (torch.float32, torch.bfloat16))
+                and x_TD.dtype in (torch.float32, torch.bfloat16) and native.route_runs())
 
 
 def sparsemixer(scores_TE: torch.Tensor, jitter: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,6 +48,16 @@ def test_refuses_what_it_does_not_compute():
         native.route(torch.randn(2, 4), 2, 2, True, False)
 
 
+def test_a_build_for_less_than_torch_runs_keeps_the_chain(monkeypatch):
+    """Built for AVX2 (`MOE_CPU_KERNELS=avx2`) where torch runs its AVX-512 kernels, the op's softmax would add its
+    sums in 8 lanes where torch adds them in 16: the chain's bits only come from the chain then."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(native, "flavour", lambda: "avx2")
+    assert not native.route_runs.__wrapped__()  # uncached: the answer of this process stays as it is
+    monkeypatch.setattr(native, "flavour", lambda: "avx512vnni")
+    assert native.route_runs.__wrapped__()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])  # the two kinds: top-k of logits, of probabilities
 def test_an_eager_model_routes_in_one_op_with_the_chains_bits(name, dtype, tmp_path, monkeypatch):

@@ -290,6 +290,15 @@ def count_ids(table: torch.Tensor, row: int, ids: torch.Tensor) -> None:
 ROUTE_RENORMALISES = (1, 2, 3, 4, 8)  # top-k counts `route` renormalises with torch's bits (router.cpp: why)
 
 
+@functools.cache
+def route_runs() -> bool:
+    """`route` computes the softmax with ATen's vector functions as this build compiles them: torch's own bits where
+    the build's vectors are the ones torch runs, so not in a build for less (`MOE_CPU_KERNELS`), whose wider sums
+    are added in another order."""
+    torch_runs = {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability(), "generic")
+    return available() and flavour().startswith(torch_runs)
+
+
 def route(logits_TE: torch.Tensor, top_k: int, kind: int, renormalise: bool,
           round_bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, K] fp32, ids [T, K]) of the router kinds "mixtral" (`kind` 0) and "softmax" (1), with the
