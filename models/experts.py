@@ -176,6 +176,12 @@ class GroupedExperts(nn.Module):
         for name in ("w1", "w2", "w3"):
             setattr(self, name, weights.shape_only(getattr(self, name)))
 
+    def streams(self, rows: int) -> bool:
+        """`rows` grouped copies run as `native.routed_experts` runs them: the stacks through the native decode
+        kernel, no biases, SwiGLU in one op."""
+        return (self.stacks is not None and self.biases == (None, None) and self.glu.kind == "silu"
+                and self.glu.native and self.choice.product(rows, native.EXPERT_MAX_ROWS) == kc.NATIVE_DECODE)
+
     def expert_reads(self, with_rows: int) -> list[tuple]:
         """The expert products of a decode step where `with_rows` experts get a row each, as
         `models.weights.decode_reads` gives them, where the stacks stream through the native kernel."""

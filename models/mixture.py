@@ -182,6 +182,11 @@ class MoEFeedForward(nn.Module):
     def forward(self, x_TD: torch.Tensor, decoding: bool = False) -> torch.Tensor:
         if self.dense:
             return self.shared(x_TD)
+        if self.in_one_op(x_TD):
+            gate, load = self.gate, self.load_counts if self.counts_load else None
+            return native.routed_experts(x_TD, gate.gate.weight, self.experts.stacks,
+                                         self.experts.scales or (None, None), self.top_k, gate.route_kind,
+                                         gate.renormalise, load, int(decoding))
         weights_TK, ids_TK = self.gate(x_TD, self.counts_load)
         if self.checks_routing:
             self.route_check.add_(routing_checksum(ids_TK))
@@ -198,6 +203,14 @@ class MoEFeedForward(nn.Module):
             return self.run_experts(x_TD, weights_TK, ids_TK, shared_TD)
         out_TD = self.run_experts(x_TD, weights_TK, ids_TK)
         return out_TD if shared_TD is None else out_TD + shared_TD
+
+    def in_one_op(self, x_TD: torch.Tensor) -> bool:
+        """The routed experts of these tokens run as one native op (`native.routed_experts`): all of them held
+        here, no shared expert, nothing counted or checked beyond the load, and a router and experts that take the
+        op's path (`Router.in_one_op`, `GroupedExperts.streams`)."""
+        return (self.shared is None and type(self.dispatcher) is LocalDispatcher and not self.checks_routing
+                and not self.counts_received and self.gate.in_one_op(x_TD, self.counts_load)
+                and self.experts.streams(x_TD.shape[0] * self.top_k))
 
     def run_experts(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
                     partial_TD: torch.Tensor | None = None) -> torch.Tensor:

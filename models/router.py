@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.kernels import choice as kc
 from models.kernels import native
 from models.kernels.choice import KernelChoice
 from models.weights import Dense
@@ -67,8 +68,7 @@ class Router(nn.Module):
         else:
             logits = F.linear(x_TD, self.weight, self.bias)
         if self.native_route(x_TD) and not (self.track_entropy and counting):  # the op widens the logits itself
-            kind = 0 if self.kind == "mixtral" else 1
-            return native.route(logits, self.top_k, kind, self.renormalise, x_TD.dtype == torch.bfloat16)
+            return native.route(logits, self.top_k, self.route_kind, self.renormalise, x_TD.dtype == torch.bfloat16)
         logits_TE = logits.float()
         if self.track_entropy and counting:
             with torch.no_grad():
@@ -89,6 +89,18 @@ class Router(nn.Module):
             return top_TK.to(x_TD.dtype).float(), ids_TK  # rounded to the activations' precision, as transformers
         top_logits_TK, ids_TK = torch.topk(logits_TE, self.top_k, dim=-1)
         return torch.softmax(top_logits_TK, dim=-1), ids_TK
+
+    def in_one_op(self, x_TD: torch.Tensor, counting: bool) -> bool:
+        """The gate's product and the choice run as `native.routed_experts` runs them: the native decode kernel
+        for these rows, then `native.route` (no entropy kept, no debug round robin)."""
+        return (self.gate is not None and not self.round_robin and not (self.track_entropy and counting)
+                and self.native_route(x_TD)
+                and self.gate.choice.product(x_TD.shape[0], self.gate.max_rows) == kc.NATIVE_DECODE)
+
+    @property
+    def route_kind(self) -> int:
+        """`native.route`'s number for this kind."""
+        return 0 if self.kind == "mixtral" else 1
 
     def native_route(self, x_TD: torch.Tensor) -> bool:
         """The kinds `native.route` chooses for (with the chain's bits), outside training and compiled steps."""

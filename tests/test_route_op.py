@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from models.kernels import native
+from models.mixture import MoEFeedForward
 from models.router import Router
 from moe import MoEModel
 from moe.bench.speed import decode_step_ops
@@ -61,6 +62,7 @@ def test_a_build_for_less_than_torch_runs_keeps_the_chain(monkeypatch):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])  # the two kinds: top-k of logits, of probabilities
 def test_an_eager_model_routes_in_one_op_with_the_chains_bits(name, dtype, tmp_path, monkeypatch):
+    monkeypatch.setattr(MoEFeedForward, "in_one_op", lambda *args: False)  # the op on its own, not in the experts'
     with MoEModel.from_pretrained(family_checkpoint(name, tmp_path), dtype=dtype, compile=False) as model:
         ops = decode_step_ops(model.engine)
         blocks = model.config.n_layers - len(model.config.dense_layers)

@@ -199,8 +199,9 @@ def products_alone(path: str, dtype: str, threads: int, repeats: int) -> dict:
     return result
 
 
+# the ops that read weights (`routed_experts`: the gate's and the experts' products with their glue, one op)
 PRODUCT_OPS = {"moe_cpu.grouped_matvec", "moe_cpu.grouped_gemm", "aten.linear", "aten.mm", "aten.addmm",
-               "aten._weight_int8pack_mm"}
+               "aten._weight_int8pack_mm", "moe_cpu.routed_experts"}
 
 
 def decode_step_ops(engine) -> collections.Counter:

@@ -138,7 +138,7 @@ def print_products(products: dict, rows: dict, b: dict) -> None:
                   f"with nothing else in the step, reading {b['step_bytes'] / alone / 1e9:.1f} GB/s")
     if "eager_ops_per_block" in products:
         print(f"an eager decode step runs {products['eager_ops_per_block']:.0f} torch ops a block besides its "
-              f"{products['eager_products_per_block']:.0f} weight products (each 1-3 us through torch's dispatcher)")
+              f"{products['eager_products_per_block']:.0f} that read weights (each 1-3 us through torch's dispatcher)")
     alone = products.get("products_compiled_step_s", products["products_step_s"])
     for name, r in rows.items():
         if name in ("ours x1", "ours-compiled x1") or name.startswith("llama.cpp"):

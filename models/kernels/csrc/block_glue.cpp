@@ -141,7 +141,7 @@ at::Tensor moe_cpu::rotary_into_cache(const at::Tensor& q, const at::Tensor& k, 
   return out;
 }
 
-namespace {
+namespace moe_cpu {
 
 // A decode step's attention from its fused q/k/v product qkv [B, 1, (H + 2G) Dh]: q and k normalised per head where
 // the family does (`q_norm`, `k_norm`), turned by RoPE, k and v written into the caches at `start`, one query per
@@ -158,8 +158,8 @@ at::Tensor attend_one(const at::Tensor& qkv, int64_t H, int64_t G, const std::op
   const at::Tensor heads = qkv.view({B, 1, H + 2 * G, Dh});
   at::Tensor q = heads.narrow(2, 0, H), k = heads.narrow(2, H, G);
   if (q_norm.has_value()) {
-    q = moe_cpu::rms_norm(q, *q_norm, eps, false);
-    k = moe_cpu::rms_norm(k, *k_norm, eps, false);
+    q = rms_norm(q, *q_norm, eps, false);
+    k = rms_norm(k, *k_norm, eps, false);
   }
   const at::Tensor turned =
       moe_cpu::rotary_into_cache(q, k, heads.narrow(2, H + G, G), cos, sin, k_cache, v_cache, start);
@@ -319,7 +319,7 @@ void count_ids(at::Tensor table, int64_t row, const at::Tensor& ids_in) {
   }
 }
 
-}  // namespace
+}  // namespace moe_cpu
 
 TORCH_LIBRARY_FRAGMENT(moe_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool weight_in_fp32) -> Tensor");
@@ -336,9 +336,9 @@ TORCH_LIBRARY_FRAGMENT(moe_cpu, m) {
 TORCH_LIBRARY_IMPL(moe_cpu, CPU, m) {
   m.impl("rms_norm", moe_cpu::rms_norm);
   m.impl("rotary_into_cache", moe_cpu::rotary_into_cache);
-  m.impl("group_by_expert", group_by_expert);
-  m.impl("combine", combine);
-  m.impl("count_ids", count_ids);
-  m.impl("silu_mul", silu_mul);
-  m.impl("attend_one", attend_one);
+  m.impl("group_by_expert", moe_cpu::group_by_expert);
+  m.impl("combine", moe_cpu::combine);
+  m.impl("count_ids", moe_cpu::count_ids);
+  m.impl("silu_mul", moe_cpu::silu_mul);
+  m.impl("attend_one", moe_cpu::attend_one);
 }

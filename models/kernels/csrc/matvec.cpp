@@ -37,6 +37,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "block_glue.h"
 #include "int8_rows.h"
 #include "pair_dot.h"
 #include "row_dot.h"
@@ -219,8 +220,10 @@ PairRows pair_rows(const at::Tensor& x, const Widen& fp32_rows, int64_t n, int64
   return {split.data(), nullptr, in, g_ahead_bf16};
 }
 
-at::Tensor grouped_matvec(const at::Tensor& x_in, const at::Tensor& w, const std::optional<at::Tensor>& counts,
-                          const std::optional<at::Tensor>& scale) {
+}  // namespace
+
+at::Tensor moe_cpu::grouped_matvec(const at::Tensor& x_in, const at::Tensor& w,
+                                   const std::optional<at::Tensor>& counts, const std::optional<at::Tensor>& scale) {
   // One weight [out, in] takes rows [..., in] as they come (a decode step's [B, 1, D]): no reshape and view around
   // the call, each an op through the dispatcher.
   const bool one = w.dim() == 2 && !counts.has_value();
@@ -293,11 +296,9 @@ at::Tensor grouped_matvec(const at::Tensor& x_in, const at::Tensor& w, const std
   return y.view(shape);
 }
 
-}  // namespace
-
 TORCH_LIBRARY(moe_cpu, m) {
   m.def("grouped_matvec(Tensor x, Tensor w, Tensor? counts, Tensor? scale) -> Tensor");
   m.def("set_prefetch(int bf16_bytes, int int8_bytes) -> ()", set_prefetch);  // no tensors: one kernel for all
 }
 
-TORCH_LIBRARY_IMPL(moe_cpu, CPU, m) { m.impl("grouped_matvec", grouped_matvec); }
+TORCH_LIBRARY_IMPL(moe_cpu, CPU, m) { m.impl("grouped_matvec", moe_cpu::grouped_matvec); }

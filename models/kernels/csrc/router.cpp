@@ -26,6 +26,8 @@
 #include <utility>
 #include <vector>
 
+#include "block_glue.h"
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -62,11 +64,13 @@ void largest(const float* x, int64_t n, int64_t k, std::vector<std::pair<float, 
   }
 }
 
+}  // namespace
+
 // Each token's (weights [T, K] fp32, expert ids [T, K]) from its gate logits [T, E]. `kind` 0: the softmax of the
 // top-k logits (Mixtral); 1: the top-k of every expert's probability, divided by their sum where `renormalise`,
 // rounded to bf16 and back where `round_bf16` (the activations' precision, as transformers keeps them).
-std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& logits_in, int64_t top_k, int64_t kind, bool renormalise,
-                                         bool round_bf16) {
+std::tuple<at::Tensor, at::Tensor> moe_cpu::route(const at::Tensor& logits_in, int64_t top_k, int64_t kind,
+                                                  bool renormalise, bool round_bf16) {
   TORCH_CHECK(logits_in.dim() == 2 && top_k >= 1 && top_k <= logits_in.size(1) && (kind == 0 || kind == 1),
               "route: logits [T, E], 1 <= top_k <= E, kind 0 or 1, got ", logits_in.sizes(), ", ", top_k, ", ", kind);
   TORCH_CHECK(!(kind == 1 && renormalise) || renormalises(top_k), "route: renormalises 1-4 or 8 weights, not ",
@@ -115,10 +119,8 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& logits_in, int64_t to
   return {weights, ids};
 }
 
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(moe_cpu, m) {
   m.def("route(Tensor logits, int top_k, int kind, bool renormalise, bool round_bf16) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(moe_cpu, CPU, m) { m.impl("route", route); }
+TORCH_LIBRARY_IMPL(moe_cpu, CPU, m) { m.impl("route", moe_cpu::route); }
