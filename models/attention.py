@@ -24,7 +24,7 @@ from models import weights
 from models.basic import Linear
 from models.config import ModelConfig
 from models.kernels import choice as kc
-from models.kernels import native
+from models.kernels import decode_block, native
 from models.kernels.choice import KernelChoice
 from models.kv_cache import KVCache
 from models.norms import RMSNorm
@@ -249,6 +249,23 @@ class Attention(nn.Module):
                 and self.sinks is None and self.q_scale is None and self.clip is None and self.qk_norm != "projection"
                 and self.glue_runs(cache, x_BSD, ctx)
                 and (not self.qk_norm or (self.q_norm.native and self.q_norm.weight.dtype == x_BSD.dtype)))
+
+    def add_to(self, h_BSD: torch.Tensor, norm: nn.Module, ctx: AttentionContext,
+               cache: KVCache | None) -> torch.Tensor | None:
+        """h + this attention of norm(h) as one op (`decode_block.add_attention`) where a decode step's attention
+        runs as one (`attends_in_one_op`), the norm natively, and both products, without biases, through the native
+        decode kernel; None elsewhere, and where a hook changes the module's output (a tensor-parallel rank's sum)."""
+        ctx = ctx.for_block(self.full)
+        if self._forward_hooks or self.qkv_bias is not None or self.wo.bias is not None or self.wo.kernel is None or \
+                not norm.runs_natively(h_BSD) or not self.attends_in_one_op(h_BSD, ctx, cache):
+            return None
+        qkv, out = self.wqkv.native_operands(h_BSD.shape[0]), self.wo.kernel.native_operands(h_BSD.shape[0])
+        if qkv is None or out is None:
+            return None
+        cache.check_room(ctx.start + 1)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
+        return decode_block.add_attention(h_BSD, norm.operands, qkv, out, self.n_heads, self.n_kv_heads, *norms,
+                                          ctx.cos, ctx.sin, cache.k, cache.v, ctx.start, ctx.mask)
 
     def qkv(self, x_BSD: torch.Tensor) -> torch.Tensor:
         """The fused q/k/v product [B, S, (H + 2G) Dh], with its bias (an inference model)."""

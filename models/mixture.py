@@ -20,7 +20,7 @@ from torch import nn
 from models.basic import Linear
 from models.config import ModelConfig
 from models.experts import DenseMLP, GroupedExperts
-from models.kernels import native
+from models.kernels import decode_block, native
 from models.router import Router, routing_checksum
 
 __all__ = ["GroupedExperts", "MoEFeedForward", "LocalDispatcher", "weighted_sum"]
@@ -183,10 +183,7 @@ class MoEFeedForward(nn.Module):
         if self.dense:
             return self.shared(x_TD)
         if self.in_one_op(x_TD):
-            gate, load = self.gate, self.load_counts if self.counts_load else None
-            return native.routed_experts(x_TD, gate.gate.weight, self.experts.stacks,
-                                         self.experts.scales or (None, None), self.top_k, gate.route_kind,
-                                         gate.renormalise, load, int(decoding))
+            return decode_block.routed_experts(x_TD, *self.op_arguments(decoding))
         weights_TK, ids_TK = self.gate(x_TD, self.counts_load)
         if self.checks_routing:
             self.route_check.add_(routing_checksum(ids_TK))
@@ -204,13 +201,26 @@ class MoEFeedForward(nn.Module):
         out_TD = self.run_experts(x_TD, weights_TK, ids_TK)
         return out_TD if shared_TD is None else out_TD + shared_TD
 
-    def in_one_op(self, x_TD: torch.Tensor) -> bool:
-        """The routed experts of these tokens run as one native op (`native.routed_experts`): all of them held
-        here, no shared expert, nothing counted or checked beyond the load, and a router and experts that take the
-        op's path (`Router.in_one_op`, `GroupedExperts.streams`)."""
-        return (self.shared is None and type(self.dispatcher) is LocalDispatcher and not self.checks_routing
-                and not self.counts_received and self.gate.in_one_op(x_TD, self.counts_load)
-                and self.experts.streams(x_TD.shape[0] * self.top_k))
+    def in_one_op(self, x: torch.Tensor) -> bool:
+        """The routed experts of these tokens (x [..., D]) run as one native op (`decode_block.routed_experts`): all
+        of them held here, no shared expert, nothing counted or checked beyond the load, and a router and experts
+        that take the op's path (`Router.in_one_op`, `GroupedExperts.streams`)."""
+        return (not self.dense and self.shared is None and type(self.dispatcher) is LocalDispatcher
+                and not self.checks_routing and not self.counts_received and self.gate.in_one_op(x, self.counts_load)
+                and self.experts.streams(x.numel() // x.shape[-1] * self.top_k))
+
+    def add_to(self, h: torch.Tensor, norm: nn.Module, decoding: bool) -> torch.Tensor | None:
+        """h + this feed-forward of norm(h) as one op (`decode_block.add_routed_experts`) where the routed experts
+        run as one (`in_one_op`) and the norm natively; None elsewhere, and where a hook changes the module's output."""
+        if self._forward_hooks or not (norm.runs_natively(h) and self.in_one_op(h)):
+            return None
+        return decode_block.add_routed_experts(h, norm.operands, *self.op_arguments(decoding))
+
+    def op_arguments(self, decoding: bool) -> tuple:
+        """`decode_block.routed_experts`' arguments after the tokens."""
+        gate, experts = self.gate, self.experts
+        return (gate.gate.weight, experts.stacks, experts.scales or (None, None), self.top_k, gate.route_kind,
+                gate.renormalise, self.load_counts if self.counts_load else None, int(decoding))
 
     def run_experts(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
                     partial_TD: torch.Tensor | None = None) -> torch.Tensor:

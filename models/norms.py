@@ -23,6 +23,9 @@ class LayerNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
+    def runs_natively(self, x: torch.Tensor) -> bool:
+        return False  # no native op of its own
+
 
 def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
     """The family's norm (`ModelConfig.norm`)."""
@@ -41,8 +44,16 @@ class RMSNorm(nn.Module):
     def prepare_weights(self, choice) -> None:
         self.native = choice.native
 
+    def runs_natively(self, x: torch.Tensor) -> bool:
+        """`native.rms_norm` normalises `x` (and the ops that chain the norm in C++ may: `operands`)."""
+        return native.glue_runs(self.native) and x.dtype == self.weight.dtype
+
+    @property
+    def operands(self) -> tuple[torch.Tensor, float, bool]:
+        return self.weight, self.eps, self.weight_in_fp32
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if native.glue_runs(self.native) and x.dtype == self.weight.dtype:
+        if self.runs_natively(x):
             return native.rms_norm(x, self.weight, self.eps, self.weight_in_fp32)
         # Normalise in fp32 and cast back before the weight (Llama, Mixtral), or after it (gpt-oss), as each
         # family's reference does, so bf16 matches it.

@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.kernels import choice as kc
 from models.kernels import native
 from models.kernels.choice import KernelChoice
 from models.weights import Dense
@@ -94,8 +93,7 @@ class Router(nn.Module):
         """The gate's product and the choice run as `native.routed_experts` runs them: the native decode kernel
         for these rows, then `native.route` (no entropy kept, no debug round robin)."""
         return (self.gate is not None and not self.round_robin and not (self.track_entropy and counting)
-                and self.native_route(x_TD)
-                and self.gate.choice.product(x_TD.shape[0], self.gate.max_rows) == kc.NATIVE_DECODE)
+                and self.native_route(x_TD) and self.gate.native_operands(x_TD.numel() // x_TD.shape[-1]) is not None)
 
     @property
     def route_kind(self) -> int:

@@ -28,6 +28,10 @@ class Block(nn.Module):
         self.residual = cfg.residual_multiplier  # GraniteMoE scales each branch before adding it
 
     def attend(self, h_BSD: torch.Tensor, ctx: AttentionContext, cache: KVCache | None) -> torch.Tensor:
+        if self.residual == 1.0 and isinstance(self.attention, Attention):  # a decode step's: the block in two ops
+            out = self.attention.add_to(h_BSD, self.attention_norm, ctx, cache)
+            if out is not None:
+                return out
         out = self.attention(self.attention_norm(h_BSD), ctx, cache)
         return h_BSD + (out * self.residual if self.residual != 1.0 else out)
 
@@ -36,6 +40,10 @@ class Block(nn.Module):
             out = self.feed_forward(x, decoding=decoding)
             return out * self.residual if self.residual != 1.0 else out
 
+        if rows is None and self.residual == 1.0:
+            out = self.feed_forward.add_to(h_BSD, self.ffn_norm, decoding)
+            if out is not None:
+                return out
         return add_feed_forward(h_BSD, self.ffn_norm(h_BSD), rows, ffn)
 
     def forward(self, h_BSD: torch.Tensor, ctx: AttentionContext, cache: KVCache | None,

@@ -45,6 +45,11 @@ class LinearWeight:
     def dense(self) -> torch.Tensor:
         raise NotImplementedError
 
+    def native_operands(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(weight, int8 scale or None) as the native decode kernel takes them, where `rows` rows run it; None where
+        another product runs them (ops that chain this product in C++ take these: `models.kernels.decode_block`)."""
+        return None
+
 
 def float_product(path: str, x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x2 [N, in] @ weight.T by the product `path` names (`KernelChoice.product`), for a plain fp32/bf16 weight; the
@@ -76,6 +81,9 @@ class Dense(LinearWeight):
 
     def dense(self) -> torch.Tensor:
         return self.weight
+
+    def native_operands(self, rows: int) -> tuple[torch.Tensor, None] | None:
+        return (self.weight, None) if self.choice.product(rows, self.max_rows) == kc.NATIVE_DECODE else None
 
 
 class Streamed(Dense):
@@ -125,6 +133,9 @@ class Int8(LinearWeight):
 
     def dense(self) -> torch.Tensor:
         return self.q.to(self.scale.dtype) * self.scale[:, None]
+
+    def native_operands(self, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return (self.q, self.scale32) if self.choice.product(rows) == kc.NATIVE_DECODE else None
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,9 +19,9 @@ gives 127-149; `prompt_gemm.cpp` has the figures).
 `decode_attention(q, k, v, mask)`: SDPA of one query per sequence, in fp32, reading only the visible cache slots.
 `prompt_attention(q, k, v)`: causal SDPA of a prompt from the first slot, in fp32 (`prompt_attention_runs`).
 A block's steps between its products, an op each where eager torch takes several (`block_glue.cpp`): `rms_norm`,
-`rotary_into_cache`, `group_by_expert`, `combine`, `count_ids`, `silu_mul`, `attend_one` (a decode step's
-attention from its q/k/v product) and `routed_experts` (a decode step's routed experts from the gate's product to
-the weighted sum); an eager model runs them where `glue_runs`.
+`rotary_into_cache`, `group_by_expert`, `combine`, `count_ids`, `silu_mul`, and `attend_one` (a decode step's
+attention from its q/k/v product); an eager model runs them where `glue_runs`. A decode step's block in two ops
+(`decode_block.cpp`): `models.kernels.decode_block`.
 `set_prefetch(bf16, int8)`: how far ahead of its reads the decode kernel asks for weights, measured per machine and
 model shape by `models.kernels.tuning`.
 `available()` builds the kernels on first use (torch.utils.cpp_extension: a C++ compiler and ninja; 20-40 s,
@@ -47,7 +47,7 @@ from models.kernels import cpuinfo
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("matvec.cpp", "prompt_gemm.cpp", "int8_rows.h", "row_dot.h", "pair_dot.h", "gemm_micro.h",
                         "gemm_layout.h", "decode_attention.cpp", "prompt_attention.cpp", "block_glue.h",
-                        "block_glue.cpp", "router.cpp", "routed_experts.cpp")]
+                        "block_glue.cpp", "router.cpp", "decode_block.cpp")]
 # Up to this many rows per weight the kernel runs (a decode step, small batches); more rows (prompts) are bound
 # by arithmetic and go to the prompt kernel (or oneDNN, MKL where it does not run).
 MAX_ROWS = 8
@@ -108,7 +108,7 @@ def available() -> bool:
             from torch.utils import cpp_extension
 
             print("building the CPU kernels (models/kernels/csrc: matvec.cpp, prompt_gemm.cpp, decode_attention.cpp, "
-                  "prompt_attention.cpp, block_glue.cpp, router.cpp, routed_experts.cpp), once per torch installation: "
+                  "prompt_attention.cpp, block_glue.cpp, router.cpp, decode_block.cpp), once per torch installation: "
                   "20-40 s",
                   file=sys.stderr)
             library.parent.mkdir(parents=True, exist_ok=True)
@@ -328,12 +328,3 @@ def attend_one(qkv_B1W: torch.Tensor, heads: int, kv_heads: int, q_norm: torch.T
     return _ops.attend_one(qkv_B1W, heads, kv_heads, q_norm, k_norm, eps, cos, sin, k_cache, v_cache,
                                         start, mask)
 
-
-def routed_experts(x_TD: torch.Tensor, gate_ED: torch.Tensor, stacks: tuple[torch.Tensor, torch.Tensor],
-                   scales: tuple[torch.Tensor | None, torch.Tensor | None], top_k: int, kind: int, renormalise: bool,
-                   load: torch.Tensor | None, row: int) -> torch.Tensor:
-    """[T, D]: a decode step's routed experts in one call, the bits of the ops it chains (`grouped` with the gate,
-    `route`, `count_ids` into `load`'s `row` where given, `group_by_expert`, `grouped` with each stack around
-    `silu_mul`, `combine`; `routed_experts.cpp`)."""
-    return _ops.routed_experts(x_TD, gate_ED, stacks[0], scales[0], stacks[1], scales[1], top_k, kind, renormalise,
-                               x_TD.dtype == torch.bfloat16, load, row, torch_vector_width(x_TD.dtype))

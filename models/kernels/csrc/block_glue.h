@@ -1,4 +1,4 @@
-// A block's ops that other ops chain in one call (`attend_one`, `routed_experts`): block_glue.cpp, matvec.cpp,
+// A block's ops that other ops chain in one call (`attend_one`; decode_block.cpp): block_glue.cpp, matvec.cpp,
 // router.cpp, decode_attention.cpp.
 
 #pragma once
@@ -25,5 +25,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> group_by_expert(const
 at::Tensor combine(const at::Tensor& y, const at::Tensor& weight, const at::Tensor& token, int64_t T);
 at::Tensor silu_mul(const at::Tensor& h, int64_t width);
 void count_ids(at::Tensor table, int64_t row, const at::Tensor& ids);
+at::Tensor attend_one(const at::Tensor& qkv, int64_t H, int64_t G, const std::optional<at::Tensor>& q_norm,
+                      const std::optional<at::Tensor>& k_norm, double eps, const at::Tensor& cos,
+                      const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, int64_t start,
+                      const std::optional<at::Tensor>& mask);
 
 }  // namespace moe_cpu

@@ -1,13 +1,14 @@
-"""A decode step's routed experts in one op (models/kernels/csrc/routed_experts.cpp) against the ops it chains, as
-the eager model calls them one by one without it: the same logits and expert loads, bit for bit; where the op
-does not apply (a shared expert, PhiMoE's router), the model keeps the ops."""
+"""A decode step's block in two ops (models/kernels/csrc/decode_block.cpp) against the ops they chain, as the eager
+model calls them one by one without them: the same logits and expert loads, bit for bit; where an op does not
+apply (a shared expert, PhiMoE's router and norms, GraniteMoE's multipliers), the model keeps the ops."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from models.kernels import native
+from models.attention import Attention
+from models.kernels import decode_block, native
 from models.mixture import MoEFeedForward
 from moe import MoEModel
 from moe.bench.speed import decode_step_ops
@@ -21,29 +22,38 @@ def loads(model: MoEModel) -> list[torch.Tensor]:
 
 
 def one_op_and_op_by_op(model: MoEModel, monkeypatch) -> tuple[tuple, tuple]:
-    """(logits, loads) of `decode_logits` with the op, then without it, each from zeroed load tables."""
+    """(logits, loads) of `decode_logits` with the ops, then without them, each from zeroed load tables."""
     runs = []
     for fused in (True, False):
         if not fused:
             monkeypatch.setattr(MoEFeedForward, "in_one_op", lambda *args: False)
+            monkeypatch.setattr(Attention, "add_to", lambda *args: None)
         for table in loads(model):
             table.zero_()
         runs.append((decode_logits(model), [table.clone() for table in loads(model)]))
     return runs[0], runs[1]
 
 
+# the families whose attention half runs as one op: not with q/k/v biases (this Qwen3-MoE's and GraniteMoE's), q
+# and residual scales (GraniteMoE) or norms of whole projections (OLMoE); their routed experts still run as one op
+ATTENTION_OP = {"mixtral": True, "qwen3_moe": True, "qwen3_moe-unnormalised": False, "granitemoe": False,
+                "olmoe": False}
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "qwen3_moe-unnormalised", "granitemoe"])
+@pytest.mark.parametrize("name", list(ATTENTION_OP))
 def test_gives_the_op_by_op_logits_and_loads(name, dtype, tmp_path, monkeypatch):
-    """The router's kinds (top-k of logits; of probabilities, renormalised or not), a dense layer among MoE ones
-    (qwen3_moe), fp32, bf16 and int8 stacks."""
+    """The router's kinds (top-k of logits; of probabilities, renormalised or not), per-head q/k norms, a dense layer
+    among MoE ones (qwen3_moe), fp32, bf16 and int8 weights."""
     with MoEModel.from_pretrained(family_checkpoint(name, tmp_path), dtype=dtype, compile=False) as model:
-        ops = decode_step_ops(model.engine)
-        blocks = model.config.n_layers - len(model.config.dense_layers)
-        assert ops["moe_cpu.routed_experts"] == blocks
+        ops, cfg = decode_step_ops(model.engine), model.config
+        moe_blocks = cfg.n_layers - len(cfg.dense_layers)
+        assert ops["moe_cpu.add_attention"] == (cfg.n_layers if ATTENTION_OP[name] else 0)
+        assert ops["moe_cpu.add_routed_experts"] + ops["moe_cpu.routed_experts"] == moe_blocks
         assert not ops["moe_cpu.route"] and not ops["moe_cpu.group_by_expert"] and not ops["aten.topk"]
         (fused, fused_loads), (chain, chain_loads) = one_op_and_op_by_op(model, monkeypatch)
-        assert decode_step_ops(model.engine)["moe_cpu.group_by_expert"] == blocks
+        ops = decode_step_ops(model.engine)
+        assert ops["moe_cpu.group_by_expert"] == moe_blocks and not ops["moe_cpu.add_attention"]
     for one_op, op_by_op in zip(fused, chain, strict=True):
         assert torch.equal(one_op, op_by_op)
     assert sum(t.sum() for t in fused_loads) > 0
@@ -55,10 +65,11 @@ def test_gives_the_op_by_op_logits_and_loads(name, dtype, tmp_path, monkeypatch)
 def test_a_shared_expert_or_another_router_keeps_the_ops(name, tmp_path):
     with MoEModel.from_pretrained(family_checkpoint(name, tmp_path), compile=False) as model:
         ops = decode_step_ops(model.engine)
-    assert not ops["moe_cpu.routed_experts"] and ops["moe_cpu.group_by_expert"]
+    assert ops["moe_cpu.group_by_expert"]
+    assert not ops["moe_cpu.routed_experts"] and not ops["moe_cpu.add_routed_experts"]
 
 
 def test_refuses_mismatched_shapes():
     with pytest.raises(RuntimeError, match="routed_experts: x"):
-        native.routed_experts(torch.randn(1, 8), torch.randn(4, 6), (torch.randn(4, 6, 8), torch.randn(4, 8, 3)),
-                              (None, None), 2, 0, True, None, 0)
+        decode_block.routed_experts(torch.randn(1, 8), torch.randn(4, 6), (torch.randn(4, 6, 8), torch.randn(4, 8, 3)),
+                                    (None, None), 2, 0, True, None, 0)
