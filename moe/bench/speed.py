@@ -199,9 +199,11 @@ def products_alone(path: str, dtype: str, threads: int, repeats: int) -> dict:
     return result
 
 
-# the ops that read weights (`routed_experts`: the gate's and the experts' products with their glue, one op)
+# the ops that read weights (`models.kernels.decode_block`'s: a block's products with the glue between them, one op
+# each half)
 PRODUCT_OPS = {"moe_cpu.grouped_matvec", "moe_cpu.grouped_gemm", "aten.linear", "aten.mm", "aten.addmm",
-               "aten._weight_int8pack_mm", "moe_cpu.routed_experts"}
+               "aten._weight_int8pack_mm", "moe_cpu.routed_experts", "moe_cpu.add_routed_experts",
+               "moe_cpu.add_attention"}
 
 
 def decode_step_ops(engine) -> collections.Counter:
