@@ -252,20 +252,32 @@ class Attention(nn.Module):
 
     def add_to(self, h_BSD: torch.Tensor, norm: nn.Module, ctx: AttentionContext,
                cache: KVCache | None) -> torch.Tensor | None:
-        """h + this attention of norm(h) as one op (`decode_block.add_attention`) where a decode step's attention
-        runs as one (`attends_in_one_op`), the norm natively, and both products, without biases, through the native
-        decode kernel; None elsewhere, and where a hook changes the module's output (a tensor-parallel rank's sum)."""
+        """h + this attention of norm(h) as one op (`decode_block.add_attention`) where `one_op_operands` has them;
+        None elsewhere."""
         ctx = ctx.for_block(self.full)
+        operands = self.one_op_operands(h_BSD, norm, ctx, cache)
+        return None if operands is None else self.add_with(h_BSD, operands, ctx, cache)
+
+    def one_op_operands(self, h_BSD: torch.Tensor, norm: nn.Module, ctx: AttentionContext,
+                        cache: KVCache | None) -> tuple | None:
+        """`decode_block.add_attention`'s arguments besides h, the step's position and the caches (the same at every
+        step of a batch), where a decode step's attention runs as one op (`attends_in_one_op`), the norm natively,
+        and both products, without biases, through the native decode kernel; None elsewhere, and where a hook
+        changes the module's output (a tensor-parallel rank's sum). `ctx`: this block's (`for_block`)."""
         if self._forward_hooks or self.qkv_bias is not None or self.wo.bias is not None or self.wo.kernel is None or \
                 not norm.runs_natively(h_BSD) or not self.attends_in_one_op(h_BSD, ctx, cache):
             return None
         qkv, out = self.wqkv.native_operands(h_BSD.shape[0]), self.wo.kernel.native_operands(h_BSD.shape[0])
         if qkv is None or out is None:
             return None
-        cache.check_room(ctx.start + 1)
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
-        return decode_block.add_attention(h_BSD, norm.operands, qkv, out, self.n_heads, self.n_kv_heads, *norms,
-                                          ctx.cos, ctx.sin, cache.k, cache.v, ctx.start, ctx.mask)
+        return norm.operands, qkv, out, self.n_heads, self.n_kv_heads, *norms
+
+    @staticmethod
+    def add_with(h_B1D: torch.Tensor, operands: tuple, ctx: AttentionContext, cache: KVCache) -> torch.Tensor:
+        """`add_to` with its `one_op_operands`."""
+        cache.check_room(ctx.start + 1)
+        return decode_block.add_attention(h_B1D, *operands, ctx.cos, ctx.sin, cache.k, cache.v, ctx.start, ctx.mask)
 
     def qkv(self, x_BSD: torch.Tensor) -> torch.Tensor:
         """The fused q/k/v product [B, S, (H + 2G) Dh], with its bias (an inference model)."""

@@ -210,11 +210,17 @@ class MoEFeedForward(nn.Module):
                 and self.experts.streams(x.numel() // x.shape[-1] * self.top_k))
 
     def add_to(self, h: torch.Tensor, norm: nn.Module, decoding: bool) -> torch.Tensor | None:
-        """h + this feed-forward of norm(h) as one op (`decode_block.add_routed_experts`) where the routed experts
-        run as one (`in_one_op`) and the norm natively; None elsewhere, and where a hook changes the module's output."""
+        """h + this feed-forward of norm(h) as one op (`decode_block.add_routed_experts`) where `one_op_operands`
+        has them; None elsewhere."""
+        operands = self.one_op_operands(h, norm, decoding)
+        return None if operands is None else decode_block.add_routed_experts(h, *operands)
+
+    def one_op_operands(self, h: torch.Tensor, norm: nn.Module, decoding: bool) -> tuple | None:
+        """`decode_block.add_routed_experts`' arguments besides h where the routed experts run as one op
+        (`in_one_op`) and the norm natively; None elsewhere, and where a hook changes the module's output."""
         if self._forward_hooks or not (norm.runs_natively(h) and self.in_one_op(h)):
             return None
-        return decode_block.add_routed_experts(h, norm.operands, *self.op_arguments(decoding))
+        return norm.operands, *self.op_arguments(decoding)
 
     def op_arguments(self, decoding: bool) -> tuple:
         """`decode_block.routed_experts`' arguments after the tokens."""

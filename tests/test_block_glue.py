@@ -127,7 +127,7 @@ def decode_logits(model: MoEModel, steps: int = 4) -> list[torch.Tensor]:
 def test_a_decode_steps_attention_in_one_op_gives_the_ops_bits(name, dtype, tmp_path, monkeypatch):
     from models.attention import Attention
 
-    monkeypatch.setattr(Attention, "add_to", lambda *args: None)  # the op on its own, not in the block's
+    monkeypatch.setattr(Attention, "one_op_operands", lambda *args: None)  # the op on its own, not in the block's
     with MoEModel.from_pretrained(family_checkpoint(name, tmp_path), dtype=dtype, compile=False) as model:
         assert decode_step_ops(model.engine)["moe_cpu.attend_one"] == model.config.n_layers
         fused = decode_logits(model)

@@ -1,6 +1,7 @@
-"""A decode step's block in two ops (models/kernels/csrc/decode_block.cpp) against the ops they chain, as the eager
-model calls them one by one without them: the same logits and expert loads, bit for bit; where an op does not
-apply (a shared expert, PhiMoE's router and norms, GraniteMoE's multipliers), the model keeps the ops."""
+"""A decode step's block in two ops (models/kernels/csrc/decode_block.cpp), called by a batch's plan
+(models/decode_plan.py) or through the modules, against the ops they chain, as the eager model calls them one by
+one without them: the same logits and expert loads, bit for bit; where an op does not apply (a shared expert,
+PhiMoE's router and norms, GraniteMoE's multipliers), the model keeps the ops."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from models.attention import Attention
+from models.decode_plan import DecodePlan
 from models.kernels import decode_block, native
 from models.mixture import MoEFeedForward
 from moe import MoEModel
@@ -21,17 +23,21 @@ def loads(model: MoEModel) -> list[torch.Tensor]:
     return [m.load_counts for m in model.engine.model.modules() if isinstance(m, MoEFeedForward)]
 
 
-def one_op_and_op_by_op(model: MoEModel, monkeypatch) -> tuple[tuple, tuple]:
-    """(logits, loads) of `decode_logits` with the ops, then without them, each from zeroed load tables."""
+def plan_modules_and_op_by_op(model: MoEModel, monkeypatch) -> list[tuple]:
+    """(logits, loads) of `decode_logits`, each from zeroed load tables: the steps as a plan of block ops
+    (`models.decode_plan`), then through the modules (which call the block ops), then without the block ops."""
     runs = []
-    for fused in (True, False):
-        if not fused:
+    for way in ("plan", "modules", "op by op"):
+        if way == "modules":
+            monkeypatch.setattr(DecodePlan, "runs", lambda *args: False)
+        if way == "op by op":
             monkeypatch.setattr(MoEFeedForward, "in_one_op", lambda *args: False)
-            monkeypatch.setattr(Attention, "add_to", lambda *args: None)
+            monkeypatch.setattr(Attention, "one_op_operands", lambda *args: None)
         for table in loads(model):
             table.zero_()
         runs.append((decode_logits(model), [table.clone() for table in loads(model)]))
-    return runs[0], runs[1]
+        assert (model.engine.plan.blocks is not None) == (way == "plan")  # the plan made, or never asked
+    return runs
 
 
 # the families whose attention half runs as one op: not with q/k/v biases (this Qwen3-MoE's and GraniteMoE's), q
@@ -51,14 +57,13 @@ def test_gives_the_op_by_op_logits_and_loads(name, dtype, tmp_path, monkeypatch)
         assert ops["moe_cpu.add_attention"] == (cfg.n_layers if ATTENTION_OP[name] else 0)
         assert ops["moe_cpu.add_routed_experts"] + ops["moe_cpu.routed_experts"] == moe_blocks
         assert not ops["moe_cpu.route"] and not ops["moe_cpu.group_by_expert"] and not ops["aten.topk"]
-        (fused, fused_loads), (chain, chain_loads) = one_op_and_op_by_op(model, monkeypatch)
+        (plan, plan_loads), *others = plan_modules_and_op_by_op(model, monkeypatch)
         ops = decode_step_ops(model.engine)
         assert ops["moe_cpu.group_by_expert"] == moe_blocks and not ops["moe_cpu.add_attention"]
-    for one_op, op_by_op in zip(fused, chain, strict=True):
-        assert torch.equal(one_op, op_by_op)
-    assert sum(t.sum() for t in fused_loads) > 0
-    for one_op, op_by_op in zip(fused_loads, chain_loads, strict=True):
-        assert torch.equal(one_op, op_by_op)
+    assert sum(t.sum() for t in plan_loads) > 0
+    for logits, step_loads in others:
+        for ours, theirs in zip(plan + plan_loads, logits + step_loads, strict=True):
+            assert torch.equal(ours, theirs)
 
 
 @pytest.mark.parametrize("name", ["qwen2_moe", "phimoe"])

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from models.attention import Padding
+from models.decode_plan import DecodePlan
 from models.kv_cache import KVCache
 from models.transformer import Transformer
 from moe.checkpoint.distributed_save import save_distributed
@@ -28,8 +29,9 @@ class LocalEngine:
         model's shapes, True builds a missing one first, False never compiles (`moe.engine.ahead`). "torch", and
         True for a model no package takes (`ahead_compilable`), compiles them with `torch.compile` instead."""
         self.model = model
-        self.caches: dict[str, KVCache] | None = None
-        self.padding: Padding | None = None
+        self._caches: dict[str, KVCache] | None = None
+        self._padding: Padding | None = None
+        self.plan: DecodePlan | None = None  # an eager batch's decode steps (`models.decode_plan`), made per batch
         ahead = compile in (None, True) and ahead_compilable(model)
         self.ahead = AheadDecode(model, may_build=compile is True) if ahead else None
         # `start` rounds a request's cache length up to a package's (`moe.engine.ahead.bucket`); a server, which
@@ -38,6 +40,22 @@ class LocalEngine:
         self.ahead_ran = False  # the last decode step ran through a package
         self.compiled = CompiledDecode(model) if compile == "torch" or (compile is True and not ahead) else None
         self.checkpoint_dir: str | None = None  # its tokenizer, read when a request has stop strings
+
+    @property
+    def caches(self) -> dict[str, KVCache] | None:
+        return self._caches
+
+    @caches.setter
+    def caches(self, caches: dict[str, KVCache] | None) -> None:
+        self._caches, self.plan = caches, None  # a new batch (the server's rows join and leave this way too)
+
+    @property
+    def padding(self) -> Padding | None:
+        return self._padding
+
+    @padding.setter
+    def padding(self, padding: Padding | None) -> None:
+        self._padding, self.plan = padding, None
 
     @property
     def device(self) -> torch.device:
@@ -66,6 +84,10 @@ class LocalEngine:
         tokens_BS = tokens_BS.to(self.device)
         if self.compiled is not None and tokens_BS.shape[1] == 1:  # a decode step: every shape static
             return self.compiled(tokens_BS, start, self.padding.device_B if self.padding is not None else None)
+        if self.plan is None:
+            self.plan = DecodePlan(self.model, self.caches, self.padding)
+        if self.plan.runs(tokens_BS, start):
+            return self.plan.logits(tokens_BS, start)
         return self.model(tokens_BS, start, self.caches, self.padding, last_only=True)[:, -1]
 
     def share(self, decided: torch.Tensor) -> torch.Tensor:
