@@ -177,7 +177,7 @@ class GroupedExperts(nn.Module):
             setattr(self, name, weights.shape_only(getattr(self, name)))
 
     def streams(self, rows: int) -> bool:
-        """`rows` grouped copies run as `native.routed_experts` runs them: the stacks through the native decode
+        """`rows` grouped copies run as `decode_block.routed_experts` runs them: the stacks through the native decode
         kernel, no biases, SwiGLU in one op."""
         return (self.stacks is not None and self.biases == (None, None) and self.glu.kind == "silu"
                 and self.glu.native and self.choice.product(rows, native.EXPERT_MAX_ROWS) == kc.NATIVE_DECODE)

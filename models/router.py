@@ -90,7 +90,7 @@ class Router(nn.Module):
         return torch.softmax(top_logits_TK, dim=-1), ids_TK
 
     def in_one_op(self, x_TD: torch.Tensor, counting: bool) -> bool:
-        """The gate's product and the choice run as `native.routed_experts` runs them: the native decode kernel
+        """The gate's product and the choice run as `decode_block.routed_experts` runs them: the native decode kernel
         for these rows, then `native.route` (no entropy kept, no debug round robin)."""
         return (self.gate is not None and not self.round_robin and not (self.track_entropy and counting)
                 and self.native_route(x_TD) and self.gate.native_operands(x_TD.numel() // x_TD.shape[-1]) is not None)

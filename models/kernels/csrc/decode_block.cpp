@@ -5,7 +5,7 @@
 // expert, the experts' two products with the SwiGLU between them and the weighted sum back per token; with the
 // norm before it and the add after it, `add_routed_experts`. The ops between a block's products cost more in
 // dispatch from Python than in work: a batch-1 step of `qwen3-moe` (bf16, 2-core AMD EPYC Zen 4) took 3.89 ms as
-// 151 ops, 3.35 ms with the routed experts in one op.
+// 151 ops, 3.35 ms with the routed experts in one op (a step is 31 ops with both halves).
 
 #include <ATen/Functions.h>
 #include <ATen/core/Tensor.h>
