@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models import weights
-from models.basic import Linear
+from models.basic import Linear, hooked
 from models.config import ModelConfig
 from models.kernels import choice as kc
 from models.kernels import decode_block, native
@@ -262,10 +262,12 @@ class Attention(nn.Module):
                         cache: KVCache | None) -> tuple | None:
         """`decode_block.add_attention`'s arguments besides h, the step's position and the caches (the same at every
         step of a batch), where a decode step's attention runs as one op (`attends_in_one_op`), the norm natively,
-        and both products, without biases, through the native decode kernel; None elsewhere, and where a hook
-        changes the module's output (a tensor-parallel rank's sum). `ctx`: this block's (`for_block`)."""
-        if self._forward_hooks or self.qkv_bias is not None or self.wo.bias is not None or self.wo.kernel is None or \
-                not norm.runs_natively(h_BSD) or not self.attends_in_one_op(h_BSD, ctx, cache):
+        and both products, without biases, through the native decode kernel; None elsewhere, and where a module the op
+        stands in for has a hook (`models.basic.hooked`). `ctx`: this block's (`for_block`)."""
+        norm_modules = (self.q_norm, self.k_norm) if self.qk_norm else ()
+        if hooked(self, norm, self.wo, *norm_modules) or self.qkv_bias is not None or \
+                self.wo.bias is not None or self.wo.kernel is None or not norm.runs_natively(h_BSD) or \
+                not self.attends_in_one_op(h_BSD, ctx, cache):
             return None
         qkv, out = self.wqkv.native_operands(h_BSD.shape[0]), self.wo.kernel.native_operands(h_BSD.shape[0])
         if qkv is None or out is None:

@@ -59,3 +59,13 @@ def init_weights(model: nn.Module, std: float = 0.02, generator: torch.Generator
             p.fill_(1.0)
         else:
             p.normal_(0.0, std, generator=generator)
+
+
+def hooked(*modules: nn.Module | None) -> bool:
+    """Whether calling these modules would run a hook (theirs, or one registered for every module): code that calls
+    ops in their place (`models.kernels.decode_block`, `models.decode_plan`) must call them instead, so that the
+    hook runs (a tensor-parallel rank's sum over ranks is one; a user's capture of activations another)."""
+    from torch.nn.modules import module as torch_module
+
+    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks) or any(
+        m is not None and (m._forward_hooks or m._forward_pre_hooks) for m in modules)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from models.attention import Attention, AttentionContext, Padding
+from models.basic import hooked
 from models.kernels import decode_block
 from models.kv_cache import KVCache
 from models.transformer import Transformer
@@ -23,13 +24,15 @@ from models.transformer import Transformer
 class DecodePlan:
     def __init__(self, model: Transformer, caches: dict[str, KVCache], padding: Padding | None) -> None:
         self.model, self.caches, self.padding = model, caches, padding
+        self.hooked = hooked(model, *model.layers.values())  # steps then go through `Transformer.forward`, hooks run
         # per block: (name, block, the attention half's operands or None, whether it attends fully, the
         # feed-forward half's or None); made at the first step
         self.blocks: list[tuple] | None = None
 
     def runs(self, tokens_BS: torch.Tensor, start: int) -> bool:
         """A decode step of this batch: one token per sequence after the prompts, no padding among them."""
-        return tokens_BS.shape[1] == 1 and start > 0 and (self.padding is None or start >= self.padding.longest)
+        return tokens_BS.shape[1] == 1 and start > 0 and (self.padding is None or start >= self.padding.longest) and \
+            not self.hooked
 
     def logits(self, tokens_B1: torch.Tensor, start: int) -> torch.Tensor:
         """[B, V]: `Transformer.forward(tokens, start, caches, padding, last_only=True)[:, -1]`, the same bits."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.basic import Linear
+from models.basic import Linear, hooked
 from models.config import ModelConfig
 from models.experts import DenseMLP, GroupedExperts
 from models.kernels import decode_block, native
@@ -206,6 +206,7 @@ class MoEFeedForward(nn.Module):
         of them held here, no shared expert, nothing counted or checked beyond the load, and a router and experts
         that take the op's path (`Router.in_one_op`, `GroupedExperts.streams`)."""
         return (not self.dense and self.shared is None and type(self.dispatcher) is LocalDispatcher
+                and not hooked(self.gate, self.experts)
                 and not self.checks_routing and not self.counts_received and self.gate.in_one_op(x, self.counts_load)
                 and self.experts.streams(x.numel() // x.shape[-1] * self.top_k))
 
@@ -217,8 +218,8 @@ class MoEFeedForward(nn.Module):
 
     def one_op_operands(self, h: torch.Tensor, norm: nn.Module, decoding: bool) -> tuple | None:
         """`decode_block.add_routed_experts`' arguments besides h where the routed experts run as one op
-        (`in_one_op`) and the norm natively; None elsewhere, and where a hook changes the module's output."""
-        if self._forward_hooks or not (norm.runs_natively(h) and self.in_one_op(h)):
+        (`in_one_op`) and the norm natively; None elsewhere, and where a module the op stands in for has a hook."""
+        if hooked(self, norm) or not (norm.runs_natively(h) and self.in_one_op(h)):
             return None
         return norm.operands, *self.op_arguments(decoding)
 

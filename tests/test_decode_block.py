@@ -78,3 +78,20 @@ def test_refuses_mismatched_shapes():
     with pytest.raises(RuntimeError, match="routed_experts: x"):
         decode_block.routed_experts(torch.randn(1, 8), torch.randn(4, 6), (torch.randn(4, 6, 8), torch.randn(4, 8, 3)),
                                     (None, None), 2, 0, True, None, 0)
+
+
+@pytest.mark.parametrize("where", ["block", "norm", "router"])
+def test_a_hook_runs_at_every_decode_step(where, tmp_path):
+    """A forward hook on a block or on a module the block ops would call in its place (a user's capture of
+    activations) runs at every step, and the logits stay the same bits."""
+    with MoEModel.from_pretrained(family_checkpoint("mixtral", tmp_path), compile=False) as model:
+        want = decode_logits(model)
+        block = model.engine.model.layers["0"]
+        module = {"block": block, "norm": block.ffn_norm, "router": block.feed_forward.gate}[where]
+        calls = []
+        handle = module.register_forward_hook(lambda *args: calls.append(1))
+        got = decode_logits(model)
+        handle.remove()
+    assert len(calls) == 5  # the prompt and 4 decode steps
+    for ours, theirs in zip(got, want, strict=True):
+        assert torch.equal(ours, theirs)
