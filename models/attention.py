@@ -244,11 +244,13 @@ class Attention(nn.Module):
 
     def attends_in_one_op(self, x_BSD: torch.Tensor, ctx: AttentionContext, cache: KVCache | None) -> bool:
         """A decode step's attention runs as one native op (`native.attend_one`): one token per sequence, written
-        at an int slot, in a family without clipping, a q scale, sinks or norms over whole projections."""
+        at an int slot, in a family without clipping, a q scale, sinks or norms over whole projections, and with no
+        hook on the q/k norms it stands in for (`models.basic.hooked`)."""
         return (x_BSD.shape[1] == 1 and cache is not None and ctx.slot is None and self.wqkv is not None
                 and self.sinks is None and self.q_scale is None and self.clip is None and self.qk_norm != "projection"
                 and self.glue_runs(cache, x_BSD, ctx)
-                and (not self.qk_norm or (self.q_norm.native and self.q_norm.weight.dtype == x_BSD.dtype)))
+                and (not self.qk_norm or (self.q_norm.native and self.q_norm.weight.dtype == x_BSD.dtype
+                                          and not hooked(self.q_norm, self.k_norm))))
 
     def add_to(self, h_BSD: torch.Tensor, norm: nn.Module, ctx: AttentionContext,
                cache: KVCache | None) -> torch.Tensor | None:
@@ -264,8 +266,7 @@ class Attention(nn.Module):
         step of a batch), where a decode step's attention runs as one op (`attends_in_one_op`), the norm natively,
         and both products, without biases, through the native decode kernel; None elsewhere, and where a module the op
         stands in for has a hook (`models.basic.hooked`). `ctx`: this block's (`for_block`)."""
-        norm_modules = (self.q_norm, self.k_norm) if self.qk_norm else ()
-        if hooked(self, norm, self.wo, *norm_modules) or self.qkv_bias is not None or \
+        if hooked(self, norm, self.wo) or self.qkv_bias is not None or \
                 self.wo.bias is not None or self.wo.kernel is None or not norm.runs_natively(h_BSD) or \
                 not self.attends_in_one_op(h_BSD, ctx, cache):
             return None

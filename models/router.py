@@ -66,7 +66,7 @@ class Router(nn.Module):
             logits = self.gate(x_TD)
         else:
             logits = F.linear(x_TD, self.weight, self.bias)
-        if self.native_route(x_TD) and not (self.track_entropy and counting):  # the op widens the logits itself
+        if self.routes_natively(x_TD, counting):  # the op widens the logits itself
             return native.route(logits, self.top_k, self.route_kind, self.renormalise, x_TD.dtype == torch.bfloat16)
         logits_TE = logits.float()
         if self.track_entropy and counting:
@@ -92,20 +92,22 @@ class Router(nn.Module):
     def in_one_op(self, x_TD: torch.Tensor, counting: bool) -> bool:
         """The gate's product and the choice run as `decode_block.routed_experts` runs them: the native decode kernel
         for these rows, then `native.route` (no entropy kept, no debug round robin)."""
-        return (self.gate is not None and not self.round_robin and not (self.track_entropy and counting)
-                and self.native_route(x_TD) and self.gate.native_operands(x_TD.numel() // x_TD.shape[-1]) is not None)
+        return (self.gate is not None and not self.round_robin and self.routes_natively(x_TD, counting)
+                and self.gate.native_operands(x_TD.numel() // x_TD.shape[-1]) is not None)
 
     @property
     def route_kind(self) -> int:
         """`native.route`'s number for this kind."""
         return 0 if self.kind == "mixtral" else 1
 
-    def native_route(self, x_TD: torch.Tensor) -> bool:
-        """The kinds `native.route` chooses for (with the chain's bits), outside training and compiled steps."""
+    def routes_natively(self, x_TD: torch.Tensor, counting: bool) -> bool:
+        """`native.route` chooses for these rows (with the chain's bits): the kinds it knows, outside training and
+        compiled steps, where this rank keeps no entropy of them."""
         kind_runs = self.kind == "mixtral" or (
             self.kind == "softmax" and (not self.renormalise or self.top_k in native.ROUTE_RENORMALISES))
         return (kind_runs and native.glue_runs(self.native) and not self.training
-                and x_TD.dtype in (torch.float32, torch.bfloat16) and native.route_runs())
+                and not (self.track_entropy and counting) and x_TD.dtype in (torch.float32, torch.bfloat16)
+                and native.route_runs())
 
 
 def sparsemixer(scores_TE: torch.Tensor, jitter: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -80,14 +80,16 @@ def test_refuses_mismatched_shapes():
                                     (None, None), 2, 0, True, None, 0)
 
 
-@pytest.mark.parametrize("where", ["block", "norm", "router"])
-def test_a_hook_runs_at_every_decode_step(where, tmp_path):
-    """A forward hook on a block or on a module the block ops would call in its place (a user's capture of
-    activations) runs at every step, and the logits stay the same bits."""
-    with MoEModel.from_pretrained(family_checkpoint("mixtral", tmp_path), compile=False) as model:
+@pytest.mark.parametrize(("name", "where"), [("mixtral", "block"), ("mixtral", "norm"), ("mixtral", "router"),
+                                           ("qwen3_moe", "q_norm")])
+def test_a_hook_runs_at_every_decode_step(name, where, tmp_path):
+    """A forward hook on a block or on a module the block ops, or `attend_one` without them, would call in its place
+    (a user's capture of activations) runs at every step, and the logits stay the same bits."""
+    with MoEModel.from_pretrained(family_checkpoint(name, tmp_path), compile=False) as model:
         want = decode_logits(model)
         block = model.engine.model.layers["0"]
-        module = {"block": block, "norm": block.ffn_norm, "router": block.feed_forward.gate}[where]
+        module = block.get_submodule({"block": "", "norm": "ffn_norm", "router": "feed_forward.gate",
+                                      "q_norm": "attention.q_norm"}[where])
         calls = []
         handle = module.register_forward_hook(lambda *args: calls.append(1))
         got = decode_logits(model)

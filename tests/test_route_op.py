@@ -68,7 +68,7 @@ def test_an_eager_model_routes_in_one_op_with_the_chains_bits(name, dtype, tmp_p
         blocks = model.config.n_layers - len(model.config.dense_layers)
         assert ops["moe_cpu.route"] == blocks and not ops["aten.topk"]
         fused = decode_logits(model)
-        monkeypatch.setattr(Router, "native_route", lambda *args: False)
+        monkeypatch.setattr(Router, "routes_natively", lambda *args: False)
         assert not decode_step_ops(model.engine)["moe_cpu.route"]
         for one_op, chain in zip(fused, decode_logits(model), strict=True):
             assert torch.equal(one_op, chain)
