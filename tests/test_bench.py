@@ -21,7 +21,7 @@ from moe.bench.in_turns import (
     torch_threads,
 )
 from moe.bench.llama_cpp import combine
-from moe.bench.peer_turns import decode_in_turns, print_decode_in_turns, ratios
+from moe.bench.peer_turns import PRODUCTS, besides_products, decode_in_turns, print_decode_in_turns, ratios
 from moe.bench.step_parts import compiled_step_parts, print_compiled_step_parts
 from moe.cli.bench import print_comparisons, print_products
 from tests.checkpoints import ROOT, SHIPPED
@@ -40,14 +40,11 @@ def test_the_products_alone_case_prints_a_step_time(dtype):
     assert 2 < result["eager_products_per_block"] < 3 and 0 < result["eager_ops_per_block"] < 5
 
 
-def test_products_are_set_against_each_whole_step(capsys):
-    rows = {"ours x1": {"decode1_step_s": 0.012}, "llama.cpp F32": {"decode1_step_s": 0.0066}}
-    print_products({"products_step_s": 0.008, "products_compiled_step_s": 0.007}, rows, {"step_bytes": 214e6})
+def test_products_alone_are_printed_with_their_read_bandwidth(capsys):
+    print_products({"products_step_s": 0.008, "products_compiled_step_s": 0.007}, {"step_bytes": 214e6})
     out = capsys.readouterr().out
     assert "called from Python): 8.00 ms per step = 125.0 tok/s" in out
     assert "compiled): 7.00 ms per step = 142.9 tok/s" in out and "30.6 GB/s" in out
-    assert "ours x1: step 12.00 ms = products alone + 5.00 ms" in out
-    assert "needs a step of 6.00 ms: -1.00 ms besides the products" in out
 
 
 def test_two_rank_steps_are_set_against_the_one_rank_step(capsys):
@@ -128,14 +125,21 @@ def test_decode_in_turns_with_a_peer_sets_each_round_against_the_peer_of_that_ro
         asked.append(new_tokens)
         return 0.010 * len(asked)
 
-    turns = decode_in_turns(str(SHIPPED), "float32", 1, peer, rounds=2, new_tokens=4, ours={"ours x1": {}})
-    assert asked == [4, 4] and set(turns["steps"]) == {"ours x1", "peer"} and len(turns["read_gbs"]) == 2
-    ours = turns["steps"]["ours x1"]
-    assert len(ours) == 2 and all(0 < s < 1 for s in ours)
+    turns = decode_in_turns(str(SHIPPED), "float32", 1, peer, rounds=2, new_tokens=4, ours={"ours x1": {}},
+                            products=True)
+    assert asked == [4, 4] and set(turns["steps"]) == {"ours x1", "peer", PRODUCTS} and len(turns["read_gbs"]) == 2
+    ours, alone = turns["steps"]["ours x1"], turns["steps"][PRODUCTS]
+    assert len(ours) == len(alone) == 2 and all(0 < s < 1 for s in ours + alone)
     assert ratios(turns, "ours x1") == [pytest.approx(0.010 / ours[0]), pytest.approx(0.020 / ours[1])]
+    assert besides_products(turns, "peer") == [pytest.approx(0.010 - alone[0]), pytest.approx(0.020 - alone[1])]
     print_decode_in_turns({"steps": {"ours x1": [0.004, 0.005, 0.006], "peer": [0.005, 0.005, 0.009]},
                            "read_gbs": [40.0, 80.0, 60.0]}, "llama.cpp F32")
     out = capsys.readouterr().out
     assert "(3 rounds, order reversed every other round): ours x1 200.0 tok/s; llama.cpp F32 200.0 tok/s" in out
     assert "read bandwidth 40.0-80.0 GB/s" in out
     assert "ours x1 vs llama.cpp F32, round by round: 1.25, 1.00, 1.50x; median 1.25x" in out
+    print_decode_in_turns({"steps": {"ours x1": [0.004, 0.005, 0.006], "peer": [0.005, 0.005, 0.009],
+                                     PRODUCTS: [0.003, 0.004, 0.004]}, "read_gbs": [40.0, 80.0, 60.0]}, "llama.cpp F32")
+    out = capsys.readouterr().out
+    assert "vs llama.cpp F32" in out and f"{PRODUCTS} vs" not in out  # the products alone are not a contender
+    assert "products alone, compiled, median 4.00 ms; medians): ours x1 1.00 ms; llama.cpp F32 2.00 ms" in out

@@ -11,6 +11,7 @@ import collections
 import hashlib
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -145,33 +146,17 @@ def ours(path: str, gpus: int, dtype: str, threads: int, repeats: int, attention
 
 
 def products_alone(path: str, dtype: str, threads: int, repeats: int) -> dict:
-    """A batch-1 decode step's weight products alone, as the step calls them on 1 rank: q/k/v fused, the attention
-    output, two experts of every block in the two grouped calls (with the SwiGLU between), the head (the router's
-    few rows left out). What a step would take with nothing else in it, to set a whole step (ours, a peer's)
-    against: called from Python (about 5-15 us per call on top) and, as the compiled step calls them, from
-    inductor's C++ wrapper, its graph called without dynamo (`moe.engine.compiled`). Medians of `repeats` x 5 runs
-    of 10 steps."""
+    """A batch-1 decode step's weight products alone (`products_step`): what a step would take with nothing else in
+    it, called from Python (about 5-15 us per call on top) and as the compiled step calls them (`compiled`).
+    Medians of `repeats` x 5 runs of 10 steps, one after the other: set against whole steps only in turns with them
+    (`moe.bench.peer_turns`), since the machine's bandwidth moves between spells."""
     from moe import MoEModel
-    from moe.engine.compiled import compile_step, frozen
 
     torch.set_num_threads(threads)
     model = MoEModel.from_pretrained(path, dtype=dtype, gpus=1, threads=threads, compile=False)  # eager: its ops
     with model, torch.inference_mode():
         net = model.engine.model
-        dt = net.norm.weight.dtype if dtype != "int8" else torch.bfloat16
-        cfg = net.cfg
-        x = torch.randn(1, cfg.dim).to(dt)
-        attn_out = torch.randn(1, cfg.n_heads * cfg.head_dim).to(dt)
-        counts = torch.zeros(cfg.n_experts, dtype=torch.long)
-        counts[:cfg.top_k] = 1  # k experts, one row each: what a token's step reads
-        rows = x.expand(cfg.top_k, -1).contiguous()
-
-        def step() -> list[torch.Tensor]:  # returned: a compiled step would drop products whose results go unused
-            outs = []
-            for block in net.layers.values():
-                attention = block.attention
-                outs += [attention.wqkv(x), attention.wo(attn_out), block.feed_forward.experts(rows, counts)]
-            return outs + [net.output(x)]
+        step = products_step(net, dtype)
 
         def median_step(fn) -> float:
             fn()  # warm-up (compiled: the compile)
@@ -186,17 +171,46 @@ def products_alone(path: str, dtype: str, threads: int, repeats: int) -> dict:
         result = {"products_step_s": median_step(step)}
         ops = decode_step_ops(model.engine)
         products = sum(n for op, n in ops.items() if op in PRODUCT_OPS)
-        result |= {"eager_ops_per_block": (sum(ops.values()) - products) / cfg.n_layers,
-                   "eager_products_per_block": products / cfg.n_layers}
+        result |= {"eager_ops_per_block": (sum(ops.values()) - products) / net.cfg.n_layers,
+                   "eager_products_per_block": products / net.cfg.n_layers}
         if net.norm.weight.device.type == "cpu":
-            graphs = []  # called directly, without dynamo, as a compiled decode step calls its graph
-            compiled = compile_step(step, net.norm.weight.device,
-                                    on_compile=lambda graph, inputs, fn: graphs.append((fn, inputs)))
-            with frozen(net.norm.weight.device):
-                compiled()  # compiled as the decode step is
-            fn, inputs = graphs[-1]
-            result["products_compiled_step_s"] = median_step(lambda: fn(*inputs))
+            result["products_compiled_step_s"] = median_step(compiled(step, net.norm.weight.device))
     return result
+
+
+def products_step(net, dtype: str) -> Callable[[], list[torch.Tensor]]:
+    """One batch-1 decode step's weight products alone, as the step calls them on 1 rank: q/k/v fused, the attention
+    output, two experts of every block in the two grouped calls (with the SwiGLU between), the head (the router's
+    few rows left out)."""
+    dt = net.norm.weight.dtype if dtype != "int8" else torch.bfloat16  # int8: bf16 activations
+    cfg, device = net.cfg, net.norm.weight.device
+    x = torch.randn(1, cfg.dim, device=device).to(dt)
+    attn_out = torch.randn(1, cfg.n_heads * cfg.head_dim, device=device).to(dt)
+    counts = torch.zeros(cfg.n_experts, dtype=torch.long, device=device)
+    counts[:cfg.top_k] = 1  # k experts, one row each: what a token's step reads
+    rows = x.expand(cfg.top_k, -1).contiguous()
+
+    def step() -> list[torch.Tensor]:  # returned: a compiled step would drop products whose results go unused
+        outs = []
+        for block in net.layers.values():
+            attention = block.attention
+            outs += [attention.wqkv(x), attention.wo(attn_out), block.feed_forward.experts(rows, counts)]
+        return outs + [net.output(x)]
+
+    return step
+
+
+def compiled(step: Callable, device: torch.device) -> Callable:
+    """`step` compiled as the decode step is, its graph called without dynamo, from inductor's C++ wrapper
+    (`moe.engine.compiled`)."""
+    from moe.engine.compiled import compile_step, frozen
+
+    graphs = []
+    once = compile_step(step, device, on_compile=lambda graph, inputs, fn: graphs.append((fn, inputs)))
+    with frozen(device):
+        once()
+    fn, inputs = graphs[-1]
+    return lambda: fn(*inputs)
 
 
 # the ops that read weights (`models.kernels.decode_block`'s: a block's products with the glue between them, one op

@@ -128,9 +128,9 @@ def print_table(rows: dict, b: dict) -> None:
                   f"{100 * b1 / b['decode_read']:.0f}% of the read-bandwidth bound ({b['decode_read']:.0f} tok/s)")
 
 
-def print_products(products: dict, rows: dict, b: dict) -> None:
-    """The step's products alone against whole steps: what is left for everything else in a step (against the
-    compiled figure where there is one: it has no Python between the calls)."""
+def print_products(products: dict, b: dict) -> None:
+    """The step's products alone, one after the other in their own process; what whole steps spend besides them is
+    set in the rounds in turns (`moe.bench.peer_turns`), where both fall in one spell of the machine's bandwidth."""
     for key, how in (("products_step_s", "called from Python"), ("products_compiled_step_s", "compiled")):
         if key in products:
             alone = products[key]
@@ -139,16 +139,6 @@ def print_products(products: dict, rows: dict, b: dict) -> None:
     if "eager_ops_per_block" in products:
         print(f"an eager decode step runs {products['eager_ops_per_block']:.0f} torch ops a block besides its "
               f"{products['eager_products_per_block']:.0f} that read weights (each 1-3 us through torch's dispatcher)")
-    alone = products.get("products_compiled_step_s", products["products_step_s"])
-    for name, r in rows.items():
-        if name in ("ours x1", "ours-compiled x1") or name.startswith("llama.cpp"):
-            step = r["decode1_step_s"]
-            print(f"  {name}: step {step * 1e3:.2f} ms = products alone + {(step - alone) * 1e3:.2f} ms")
-    for name, r in rows.items():
-        if name.startswith("llama.cpp"):
-            target = r["decode1_step_s"] / 1.1
-            print(f"  1.1x {name}'s decode needs a step of {target * 1e3:.2f} ms: "
-                  f"{(target - alone) * 1e3:.2f} ms besides the products")
 
 
 def print_exchange_counts(path: Path, args: argparse.Namespace) -> None:
@@ -238,10 +228,11 @@ def llama_cpp_after_ours(args: argparse.Namespace, path: Path, llama: LlamaCpp, 
     batch-1 decode in turns with it (moe.bench.peer_turns). Returns the in-turns figures (None: memory too short)."""
     after = llama.run(gguf, args.threads, args.repeats, PREFILL, NEW_TOKENS)
     rows[f"llama.cpp {GGUF_NAMES[args.dtype]}"] = combine([before, after])
-    if (short := memory_short(str(path), len(OURS))) is not None:
+    if (short := memory_short(str(path), len(OURS) + 1)) is not None:  # and the products alone
         print(f"decode b1 in turns with llama.cpp: not measured ({short})")
         return None
-    return decode_in_turns(str(path), args.dtype, args.threads, lambda n: llama.decode_step(gguf, args.threads, n))
+    return decode_in_turns(str(path), args.dtype, args.threads, lambda n: llama.decode_step(gguf, args.threads, n),
+                           products=True)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -285,7 +276,7 @@ def main(args: argparse.Namespace) -> int:
         print_decode_in_turns(peer_turns, f"llama.cpp {GGUF_NAMES[args.dtype]}")
     products = run_case(args, "ours-products", 1, path)
     if products is not None:
-        print_products(products, rows, bounds)
+        print_products(products, bounds)
     print_comparisons(rows, args.gpus, bounds["cfg"])
     n_ranks = print_n_ranks(path, args, bounds["cfg"]) if args.gpus > 1 else {}
     if args.json:
