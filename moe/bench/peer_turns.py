@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from moe.bench.in_turns import batch1_step, turn_order, warm_up
-from moe.bench.speed import NEW_TOKENS, compiled, products_step, read_bandwidth
+from moe.bench.speed import NEW_TOKENS, compiled_as_step, products_step, read_bandwidth
 
 # eager, and the package compiled ahead of time (built on the first call, loaded from the step cache after)
 OURS = {"ours x1": {"compile": False}, "ours-compiled x1": {"compile": True}}
@@ -42,7 +42,7 @@ def decode_in_turns(path: str, dtype: str, threads: int, peer: Callable[[int], f
             models[PRODUCTS] = MoEModel.from_pretrained(path, dtype=dtype, threads=threads, compile=False)
             net = models[PRODUCTS].engine.model
             with torch.inference_mode():
-                turns[PRODUCTS] = products_turn(compiled(products_step(net, dtype), net.norm.weight.device))
+                turns[PRODUCTS] = products_turn(compiled_as_step(products_step(net, dtype), net.norm.weight.device))
         names = [*models, "peer"]
         steps: dict[str, list[float]] = {name: [] for name in names}
         read = []

@@ -147,7 +147,7 @@ def ours(path: str, gpus: int, dtype: str, threads: int, repeats: int, attention
 
 def products_alone(path: str, dtype: str, threads: int, repeats: int) -> dict:
     """A batch-1 decode step's weight products alone (`products_step`): what a step would take with nothing else in
-    it, called from Python (about 5-15 us per call on top) and as the compiled step calls them (`compiled`).
+    it, called from Python (about 5-15 us per call on top) and as the compiled step calls them (`compiled_as_step`).
     Medians of `repeats` x 5 runs of 10 steps, one after the other: set against whole steps only in turns with them
     (`moe.bench.peer_turns`), since the machine's bandwidth moves between spells."""
     from moe import MoEModel
@@ -174,7 +174,7 @@ def products_alone(path: str, dtype: str, threads: int, repeats: int) -> dict:
         result |= {"eager_ops_per_block": (sum(ops.values()) - products) / net.cfg.n_layers,
                    "eager_products_per_block": products / net.cfg.n_layers}
         if net.norm.weight.device.type == "cpu":
-            result["products_compiled_step_s"] = median_step(compiled(step, net.norm.weight.device))
+            result["products_compiled_step_s"] = median_step(compiled_as_step(step, net.norm.weight.device))
     return result
 
 
@@ -200,7 +200,7 @@ def products_step(net, dtype: str) -> Callable[[], list[torch.Tensor]]:
     return step
 
 
-def compiled(step: Callable, device: torch.device) -> Callable:
+def compiled_as_step(step: Callable, device: torch.device) -> Callable:
     """`step` compiled as the decode step is, its graph called without dynamo, from inductor's C++ wrapper
     (`moe.engine.compiled`)."""
     from moe.engine.compiled import compile_step, frozen
