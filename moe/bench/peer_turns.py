@@ -13,6 +13,8 @@ import statistics
 import time
 from collections.abc import Callable
 
+import torch
+
 from moe.bench.in_turns import batch1_step, turn_order, warm_up
 from moe.bench.speed import NEW_TOKENS, compiled_as_step, products_step, read_bandwidth
 
@@ -27,11 +29,9 @@ def decode_in_turns(path: str, dtype: str, threads: int, peer: Callable[[int], f
     -> MoEModel options; each step from a generation of `new_tokens` after a DECODE_PROMPT-token prompt), the
     "peer" step `peer(new_tokens)` returns and, with `products`, the step's weight products alone (`PRODUCTS`:
     `new_tokens` calls of them), in turns."""
-    import torch
-
     from moe import MoEModel
 
-    models, turns = {}, {"peer": peer}
+    models, turns = {}, {"peer": lambda n, _round: peer(n)}
     try:
         for name, options in ours.items():
             models[name] = MoEModel.from_pretrained(path, dtype=dtype, threads=threads, **options)
@@ -48,7 +48,7 @@ def decode_in_turns(path: str, dtype: str, threads: int, peer: Callable[[int], f
         read = []
         for r in range(rounds):
             for name in turn_order(names, r):
-                steps[name].append(turns["peer"](new_tokens) if name == "peer" else turns[name](new_tokens, r))
+                steps[name].append(turns[name](new_tokens, r))
             read.append(read_bandwidth(threads, mib=256, repeats=5))
         return {"steps": steps, "read_gbs": read}
     finally:
@@ -58,7 +58,6 @@ def decode_in_turns(path: str, dtype: str, threads: int, peer: Callable[[int], f
 
 def products_turn(step: Callable) -> Callable[[int, int], float]:
     """A turn of the products alone: seconds per call over `n` calls (as a generation of `n` tokens has steps)."""
-    import torch
 
     def turn(n: int, _round: int) -> float:
         with torch.inference_mode():
