@@ -170,7 +170,10 @@ struct Group {
 
 // Work items are (group, weight row) pairs; each thread takes a contiguous range. It splits its rows of a weight
 // into 4 runs of consecutive rows and takes one row of each at a time (`dot_rows`): 4 streams of weights, each read
-// front to back, and every activation row of the group meets the 4 rows while they are in cache.
+// front to back, and every activation row of the group meets the 4 rows while they are in cache. The 4 streams'
+// pointers move on by a row each step (no row index is formed again): the loop between two groups of 4 rows is what
+// lets the next rows' loads start early, and with the rows formed from indices every step the same reads ran at
+// 0.80-0.88x the speed (bf16, a [104000, 512] weight, 2 threads of a 2-core AMD EPYC Zen 5, in turns).
 template <typename W, typename Rows, typename Out>
 void run(const Rows& x, const W* w, const float* scale, const std::vector<Group>& groups, int64_t out_features,
          int64_t in_features, Out* y) {
@@ -181,23 +184,29 @@ void run(const Rows& x, const W* w, const float* scale, const std::vector<Group>
       const Group& g = groups[item / out_features];
       const int64_t first = item % out_features, n = std::min(end - item, out_features - first);
       const int64_t run_rows = (n + 3) / 4;  // runs of this many rows, the last ones shorter
-      for (int64_t step = 0; step < run_rows; ++step) {
-        int64_t rows[4];  // of this weight, one from each run
-        int k = 0;
-        for (int64_t r = step; r < n; r += run_rows) rows[k++] = first + r;
-        const int64_t at = g.expert * out_features;  // the weight's first row among all experts'
-        const W* wr[4];
-        for (int r = 0; r < k; ++r) wr[r] = w + (at + rows[r]) * in_features;
+      const int64_t whole = std::max<int64_t>(0, n - 3 * run_rows);  // the steps that find a row in every run
+      const int64_t at = g.expert * out_features + first;  // the range's first row among all experts' rows
+      const float* row_scale = scale != nullptr ? scale + at : nullptr;
+      const W* wr[4];
+      for (int r = 0; r < 4; ++r) wr[r] = w + (at + r * run_rows) * in_features;
+      for (int64_t step = 0; step < whole; ++step) {
         for (int64_t m = g.first_row; m < g.first_row + g.n_rows; ++m) {
           float v[4];
-          if (k == 4) {
-            x.template dot<W, 4>(wr, m, v);
-          } else {
-            for (int r = 0; r < k; ++r) x.template dot<W, 1>(wr + r, m, v + r);
+          x.template dot<W, 4>(wr, m, v);
+          Out* out = y + m * out_features + first + step;
+          for (int r = 0; r < 4; ++r) {
+            out[r * run_rows] = static_cast<Out>(row_scale != nullptr ? v[r] * row_scale[step + r * run_rows] : v[r]);
           }
-          for (int r = 0; r < k; ++r) {
-            const float out = scale != nullptr ? v[r] * scale[at + rows[r]] : v[r];
-            y[m * out_features + rows[r]] = static_cast<Out>(out);
+        }
+        for (int r = 0; r < 4; ++r) wr[r] += in_features;
+      }
+      for (int64_t step = whole; step < run_rows; ++step) {  // fewer than 4 runs still have a row: one at a time
+        for (int64_t r = step; r < n; r += run_rows) {
+          const W* one[1] = {w + (at + r) * in_features};
+          for (int64_t m = g.first_row; m < g.first_row + g.n_rows; ++m) {
+            float v;
+            x.template dot<W, 1>(one, m, &v);
+            y[m * out_features + first + r] = static_cast<Out>(row_scale != nullptr ? v * row_scale[r] : v);
           }
         }
       }
