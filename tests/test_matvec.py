@@ -152,11 +152,12 @@ def test_no_rows_give_an_empty_result(w_dtype, x_dtype):
 
 @torch.inference_mode()
 def test_int8_sums_cannot_overflow():
-    """Rows long enough for the int32 lanes to be widened twice, every term at its largest: the exact sum."""
+    """Rows long enough for the int32 lanes to be widened twice, every term at its largest: the exact sum, for rows
+    read 4 at once (rows 0, 3, 6 and 9 of 10, one thread) and one at a time (the rest)."""
     width = 40000
-    w = torch.full((1, 2, width), -127, dtype=torch.int8)
+    w = torch.full((1, 10, width), -127, dtype=torch.int8)
     x = torch.full((1, width), 3.0)
-    got = native.grouped(x, w, None, torch.ones(1, 2))
+    got = native.grouped(x, w, None, torch.ones(1, 10))
     assert got.eq(-127 * 3.0 * width).all()
 
 
