@@ -209,7 +209,7 @@ struct Group {
 // into 4 runs of consecutive rows and takes one row of each at a time (`dot_rows`): 4 streams of weights, each read
 // front to back, and every activation row of the group meets the 4 rows while they are in cache. The 4 streams'
 // pointers move on by a row each step: forming them again from row indices every step (an array of indices, then
-// a vector multiply of them) read the same bf16 weights at 0.80-0.88x this speed (a [104000, 512] weight, 2 threads
+// a vector multiply of them) read the same bf16 weights at 0.83-0.92x this speed (a [104000, 512] weight, 2 threads
 // of a 2-core AMD EPYC Zen 5, the two alternated in one process); the loop between two groups of 4 rows is short.
 template <typename W, typename Rows, typename Out>
 void run(const Rows& x, const W* w, const float* scale, const std::vector<Group>& groups, int64_t out_features,
