@@ -120,36 +120,39 @@ inline int64_t dot_int(const int8_t* w, const int16_t* q, int64_t in, int ahead)
 // R rows' `dot_int` in one pass (the same exact sums): the R rows' loads side by side, as `dot_pairs` reads bf16
 // rows. Measured against `dot_int` row after row on a [104000, 512] int8 weight (2 threads, a 2-core AMD EPYC Zen 5,
 // the two alternated call by call, medians): 55-60 GB/s against 47-50; rows of 1024, 46-49 against 42-45. Without
-// AVX-512 VNNI it is `dot_int` row after row. A row's one accumulator takes both halves of each 64 elements: at
-// most 128 pair-sums of 2 * 128 * 32768 a lane before it is widened (1.07e9, within int32).
+// AVX-512 VNNI, and for a single row (its own loop keeps two accumulators), it is `dot_int` row after row. A row's
+// one accumulator here takes both halves of each 64 elements: at most 128 pair-sums of 2 * 128 * 32768 a lane before
+// it is widened (1.07e9, within int32).
 template <int R>
 inline void dot_int_rows(const int8_t* const w[R], const int16_t* q, int64_t in, int ahead, int64_t s[R]) {
 #ifdef __AVX512VNNI__
-  const int64_t body = in & ~int64_t{63};
-  int64_t i = 0;
-  for (int r = 0; r < R; ++r) s[r] = 0;
-  while (i < body) {
-    const int64_t end = std::min(body, i + 64 * 64);
-    __m512i a[R];
-    for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_si512();
-    for (; i < end; i += 64) {
-      const __m512i q0 = _mm512_loadu_si512(q + i), q1 = _mm512_loadu_si512(q + i + 32);
+  if constexpr (R > 1) {
+    const int64_t body = in & ~int64_t{63};
+    int64_t i = 0;
+    for (int r = 0; r < R; ++r) s[r] = 0;
+    while (i < body) {
+      const int64_t end = std::min(body, i + 64 * 64);
+      __m512i a[R];
+      for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_si512();
+      for (; i < end; i += 64) {
+        const __m512i q0 = _mm512_loadu_si512(q + i), q1 = _mm512_loadu_si512(q + i + 32);
+        for (int r = 0; r < R; ++r) {
+          if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(w[r] + i) + ahead, _MM_HINT_T0);
+          a[r] = _mm512_dpwssd_epi32(a[r], widened16(w[r] + i), q0);
+          a[r] = _mm512_dpwssd_epi32(a[r], widened16(w[r] + i + 32), q1);
+        }
+      }
       for (int r = 0; r < R; ++r) {
-        if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(w[r] + i) + ahead, _MM_HINT_T0);
-        a[r] = _mm512_dpwssd_epi32(a[r], widened16(w[r] + i), q0);
-        a[r] = _mm512_dpwssd_epi32(a[r], widened16(w[r] + i + 32), q1);
+        s[r] += hsum64(_mm256_add_epi32(_mm512_castsi512_si256(a[r]), _mm512_extracti64x4_epi64(a[r], 1)));
       }
     }
-    for (int r = 0; r < R; ++r) {
-      s[r] += hsum64(_mm256_add_epi32(_mm512_castsi512_si256(a[r]), _mm512_extracti64x4_epi64(a[r], 1)));
+    for (; i < in; ++i) {
+      for (int r = 0; r < R; ++r) s[r] += static_cast<int64_t>(w[r][i]) * q[i];
     }
+    return;
   }
-  for (; i < in; ++i) {
-    for (int r = 0; r < R; ++r) s[r] += static_cast<int64_t>(w[r][i]) * q[i];
-  }
-#else
-  for (int r = 0; r < R; ++r) s[r] = dot_int(w[r], q, in, ahead);
 #endif
+  for (int r = 0; r < R; ++r) s[r] = dot_int(w[r], q, in, ahead);
 }
 
 // Activation rows as the kernel reads them: `dot(w, m)` is weight row w against activation row m, unscaled by w's
