@@ -1,7 +1,8 @@
 """The server's engine loop without HTTP: sequences that join at different steps, wait for a slot, outgrow the
 cache's end (every row moves left) or arrive with prompts longer than a step's budget (prefilled in chunks while
 the others decode) get the tokens `generate` gives each alone, also where the RoPE angles depend on each
-sequence's length."""
+sequence's length. The latency
+histograms of /metrics count as Prometheus's do."""
 
 from __future__ import annotations
 
@@ -89,3 +90,16 @@ def assert_solo_tokens(model, slots: int, length: int, chunk: int) -> None:
 def vars_of(params: SamplingParams) -> dict:
     return dict(max_new_tokens=params.max_new_tokens, temperature=params.temperature, seed=params.seed,
                 ignore_eos=False)
+
+
+def test_latency_buckets_count_every_value_at_or_under_their_edge():
+    """Prometheus's histogram buckets are cumulative: `le="x"` counts the values <= x, `+Inf` all of them."""
+    from moe.serve.metrics import Histogram
+
+    h = Histogram((0.01, 0.1, 1.0))
+    for value in (0.001, 0.01, 0.05, 0.1, 0.5, 7.0):
+        h.observe(value)
+    lines = h.lines("t", "test")
+    assert [line for line in lines if line.startswith("t_bucket")] == [
+        't_bucket{le="0.01"} 2', 't_bucket{le="0.1"} 4', 't_bucket{le="1.0"} 5', 't_bucket{le="+Inf"} 6']
+    assert "t_count 6" in lines

@@ -64,6 +64,8 @@ class RunningBatch:
         self.engine.exact_caches = True  # caches of this length, whatever a compiled step's rounding (moe.engine.local)
 
     def leave(self, requests: set[int]) -> None:
+        if not requests:  # most steps: nobody leaves, and the rows stay the same list
+            return
         self.prefills = [p for p in self.prefills if p.row.request not in requests]
         keep = [i for i, row in enumerate(self.rows) if row.request not in requests]
         if len(keep) == len(self.rows):

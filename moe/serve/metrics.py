@@ -3,6 +3,8 @@ per block and expert (which no other server exposes)."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import threading
 from collections import Counter
 
@@ -14,15 +16,18 @@ class Histogram:
         self.buckets, self.counts, self.sum, self.count = buckets, [0] * len(buckets), 0.0, 0
 
     def observe(self, value: float) -> None:
+        """Counted in the first bucket that holds it (a step's few microseconds); `lines` adds them up as
+        Prometheus's buckets are."""
         self.sum += value
         self.count += 1
-        for i, edge in enumerate(self.buckets):
-            if value <= edge:
-                self.counts[i] += 1
+        i = bisect.bisect_left(self.buckets, value)
+        if i < len(self.buckets):
+            self.counts[i] += 1
 
     def lines(self, name: str, help_text: str) -> list[str]:
         out = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-        out += [f'{name}_bucket{{le="{edge}"}} {n}' for edge, n in zip(self.buckets, self.counts, strict=True)]
+        out += [f'{name}_bucket{{le="{edge}"}} {n}'
+                for edge, n in zip(self.buckets, itertools.accumulate(self.counts), strict=True)]
         out.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
         return out + [f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
 
