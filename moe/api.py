@@ -31,6 +31,7 @@ from moe.generation import SamplingParams, check_prompts
 from moe.generation.params import SEED_LIMIT, per_prompt_seeds
 from moe.generation.results import Completion, TokenCompletion, to_results
 from moe.generation.text import TextStreams
+from moe.host import ThreadWatch
 from moe.info import ModelInfo, announce
 from moe.memory import MemoryUse, check_kv_cache, peak_memory_mib
 from moe.parallel.devices import ranks_device
@@ -48,6 +49,7 @@ class MoEModel:
         self.generation_defaults = GenerationDefaults()  # the checkpoint's generation_config.json, once loaded
         self._lock = threading.Lock()  # one call at a time: the ranks run one request in lock-step
         self._broken = ""  # under torchrun: why this rank's model can no longer be used
+        self._thread = ThreadWatch(info.launch != "processes" and str(getattr(engine, "device", "")) == "cpu")
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype | None = None, device: str = "auto",
@@ -161,6 +163,7 @@ class MoEModel:
         first collective is no user error (the other ranks may wait in a collective this one will not enter), so it
         ends this model with the rank named, as a rank process's would (`moe.workers.rank.serve`)."""
         with self._lock:
+            self._thread.check()
             if self._broken:
                 raise RankFailure(f"this model can no longer be used ({self._broken}); load it again")
             dist = getattr(self.engine, "dist", None) if self.info.launch == "torchrun" else None
@@ -320,10 +323,7 @@ class MoEModel:
         with self._calling():
             counts, entropy, received = self.engine.load_stats()
         placement = self.info.placement or Placement.default(self.config.n_layers, self.config.n_experts, 1)
-        tokens = int(counts.sum()) // (self.config.top_k * self.config.n_layers)
-        summed, covered = entropy.tolist()  # the entropy's own token count: it is summed only while tracked
-        entropy_sum = summed / covered * tokens * self.config.n_layers if covered else None
-        return ExpertLoadReport(counts, placement, entropy_sum, tokens, received)
+        return ExpertLoadReport.of(counts, entropy, received, placement, self.config.top_k, self.config.n_layers)
 
     def track_router_entropy(self, enabled: bool = True) -> None:
         """Sum each router's entropy for `expert_load()` reports (a few kernels per block and step, so off

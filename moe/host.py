@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import threading
+import warnings
 
 from models.kernels import cpuinfo
 
@@ -83,3 +85,36 @@ def rank_processes_refusal(ranks: int) -> str | None:
         return (f"gpus={ranks}: starting rank processes needs a POSIX system (Linux or macOS), not {sys.platform}; "
                 "run one rank, or start the ranks with torchrun")
     return None
+
+
+class ThreadWatch:
+    """Warns once when a model that computes in this process on a CPU is called on another thread than the one that
+    loaded it. GNU OpenMP (torch's on Linux) keeps a pool of threads for each thread that runs parallel ops; once
+    the pools hold more threads than the cores, its threads sleep between ops instead of spinning, and every op
+    waits for them to wake: `generate` of a 64-token answer took 2.5-3.5x as long from a second thread (`small`,
+    2 threads on a 2-core AMD EPYC Zen 5), and as long as on the loading thread when loaded on that thread too."""
+
+    def __init__(self, computes_here: bool) -> None:
+        self.home, self.armed = threading.get_ident(), computes_here and sys.platform == "linux"
+
+    def check(self) -> None:
+        if not self.armed or threading.get_ident() == self.home:
+            return
+        self.armed = False
+        import torch
+
+        threads, cores = torch.get_num_threads(), usable_cores()
+        if 2 * threads > cores:
+            warnings.warn(f"this model was loaded on another thread: each thread that runs it keeps a pool of "
+                          f"{threads} OpenMP threads, together more than the {cores} cores, so every parallel op waits "
+                          "for sleeping threads to wake (decode measured 2.5-3.5x slower); load the model on the "
+                          "thread that calls it", RuntimeWarning, stacklevel=_outside_the_package())
+
+
+def _outside_the_package() -> int:
+    """The stack level of the first caller outside this package (and contextlib): a warning names the user's line."""
+    package, level, frame = os.path.dirname(os.path.abspath(__file__)), 1, sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename.startswith(package) or
+                                 os.path.basename(frame.f_code.co_filename) == "contextlib.py"):
+        frame, level = frame.f_back, level + 1
+    return level

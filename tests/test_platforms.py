@@ -62,3 +62,26 @@ def test_rank_processes_on_windows_are_refused_in_one_line(monkeypatch):
                                          r"not win32; run one rank, or start the ranks with torchrun$"):
         MoEModel.from_pretrained(SHIPPED, gpus=2)
     assert host.rank_processes_refusal(1) is None
+
+
+def test_a_call_from_another_thread_than_the_loading_one_warns_once(monkeypatch):
+    """GNU OpenMP's pools, one per thread that runs parallel ops, outnumber the cores: the user hears why it is slow,
+    once, at their own line; the loading thread's calls say nothing."""
+    import threading
+    import warnings
+
+    monkeypatch.setattr(host, "usable_cores", lambda: 1)  # two pools of any size are more than one core
+    monkeypatch.setattr(sys, "platform", "linux")
+    with MoEModel.from_pretrained(SHIPPED) as model, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.generate([[1, 2, 3]], max_new_tokens=2)
+
+        def call() -> None:
+            for _ in range(2):
+                model.generate([[1, 2, 3]], max_new_tokens=2)
+
+        thread = threading.Thread(target=call)
+        thread.start()
+        thread.join()
+    said = [w for w in caught if "loaded on another thread" in str(w.message)]
+    assert len(said) == 1 and said[0].category is RuntimeWarning and said[0].filename == __file__

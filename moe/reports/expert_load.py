@@ -50,6 +50,16 @@ class ExpertLoadReport:
     routed_tokens: int  # tokens routed per block
     received: torch.Tensor | None = None  # [blocks, ranks] copies each rank's experts computed (measured)
 
+    @classmethod
+    def of(cls, counts: torch.Tensor, entropy: torch.Tensor, received: torch.Tensor | None, placement: Placement,
+           top_k: int, blocks: int) -> ExpertLoadReport:
+        """From an engine's load statistics (`load_stats`): the tokens a block routed are its copies over top_k, and
+        the entropy, summed only while tracked, is scaled from the tokens it covered to all of them."""
+        tokens = int(counts.sum()) // (top_k * blocks)
+        summed, covered = entropy.tolist()
+        entropy_sum = summed / covered * tokens * blocks if covered else None
+        return cls(counts, placement, entropy_sum, tokens, received)
+
     @property
     def total(self) -> torch.Tensor:
         return self.counts.sum(1)  # [blocks, experts]
