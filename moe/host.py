@@ -92,13 +92,17 @@ class ThreadWatch:
     loaded it. GNU OpenMP (torch's on Linux) keeps a pool of threads for each thread that runs parallel ops; once
     the pools hold more threads than the cores, its threads sleep between ops instead of spinning, and every op
     waits for them to wake: `generate` of a 64-token answer took 2.5-3.5x as long from a second thread (`small`,
-    2 threads on a 2-core AMD EPYC Zen 5), and as long as on the loading thread when loaded on that thread too."""
+    2 threads on a 2-core AMD EPYC Zen 5), and as long as on the loading thread when loaded on that thread too. A
+    thread's pool ends with it: once the loading thread has ended, the next caller's thread is the model's own."""
 
     def __init__(self, computes_here: bool) -> None:
-        self.home, self.armed = threading.get_ident(), computes_here and sys.platform == "linux"
+        self.home, self.armed = threading.current_thread(), computes_here and sys.platform == "linux"
 
     def check(self) -> None:
-        if not self.armed or threading.get_ident() == self.home:
+        if not self.armed or threading.current_thread() is self.home:
+            return
+        if not self.home.is_alive():  # its pool went with it: the caller's is the only one
+            self.home = threading.current_thread()
             return
         self.armed = False
         import torch

@@ -85,3 +85,19 @@ def test_a_call_from_another_thread_than_the_loading_one_warns_once(monkeypatch)
         thread.join()
     said = [w for w in caught if "loaded on another thread" in str(w.message)]
     assert len(said) == 1 and said[0].category is RuntimeWarning and said[0].filename == __file__
+
+
+def test_a_model_loaded_on_a_thread_that_ended_is_called_anywhere_without_a_warning(monkeypatch):
+    """The loading thread's OpenMP pool ends with it: a call from another thread then makes the only pool."""
+    import threading
+    import warnings
+
+    monkeypatch.setattr(host, "usable_cores", lambda: 1)
+    loaded = []
+    loader = threading.Thread(target=lambda: loaded.append(MoEModel.from_pretrained(SHIPPED)))
+    loader.start()
+    loader.join()
+    with loaded[0] as model, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.generate([[1, 2, 3]], max_new_tokens=2)
+    assert not [w for w in caught if "loaded on another thread" in str(w.message)]
