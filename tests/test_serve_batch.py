@@ -1,8 +1,7 @@
 """The server's engine loop without HTTP: sequences that join at different steps, wait for a slot, outgrow the
 cache's end (every row moves left) or arrive with prompts longer than a step's budget (prefilled in chunks while
 the others decode) get the tokens `generate` gives each alone, also where the RoPE angles depend on each
-sequence's length. The latency
-histograms of /metrics count as Prometheus's do."""
+sequence's length. The latency histograms of /metrics count as Prometheus's do."""
 
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ class Histogram:
         self.buckets, self.counts, self.sum, self.count = buckets, [0] * len(buckets), 0.0, 0
 
     def observe(self, value: float) -> None:
-        """Counted in the first bucket that holds it (a step's few microseconds); `lines` adds them up as
-        Prometheus's buckets are."""
+        """Counted in the first bucket that holds it (one bisection: this runs twice a token, just after a step);
+        `lines` adds them up as Prometheus's buckets are."""
         self.sum += value
         self.count += 1
         i = bisect.bisect_left(self.buckets, value)
