@@ -56,6 +56,9 @@ class RunningBatch:
         self.pad: list[int] = []  # per row, the cache column its sequence begins at
         self.clock = 0  # the column the next step writes
         self.sampler: Sampler | None = None  # the head's rank: rebuilt when the rows change
+        # the running rows' last tokens on the device, as the last step's sample shared them: the next step's input
+        # (no list made into a tensor, no copy from the host a step); made from the rows' records when the rows change
+        self.last_B: torch.Tensor | None = None
         # replicated blocks' caches, which hold this rank's rows only, and every row's home rank
         self.split = engine.split_caches() if hasattr(engine, "split_caches") else set()
         self.ranks = engine.dist.world_size if self.split else 1
@@ -80,7 +83,7 @@ class RunningBatch:
                               for name, c in self.engine.caches.items()} if keep else {}
         self.rows, self.pad = [self.rows[i] for i in keep], [self.pad[i] for i in keep]
         self._keep_homes([self.homes[i] for i in keep] if self.split else [])
-        self.sampler = None
+        self.sampler = self.last_B = None
         if not self.rows:
             self.clock = 0
         self._set_padding()
@@ -100,7 +103,7 @@ class RunningBatch:
             joined = self.engine.caches
         running = self.engine.caches
         self.engine.caches = {name: _cat(running[name], c) for name, c in joined.items()} if running else joined
-        self.rows, self.pad, self.sampler = self.rows + rows, self.pad + pads, None
+        self.rows, self.pad, self.sampler, self.last_B = self.rows + rows, self.pad + pads, None, None
         self._keep_homes(self.homes + homes)
         self._set_padding()
         return logits
@@ -141,12 +144,15 @@ class RunningBatch:
             self.engine.caches = {name: _cat(self.engine.caches[name], c) for name, c in p.caches.items()}
         else:
             self.engine.caches = p.caches
-        self.rows, self.pad, self.sampler = self.rows + [p.row], self.pad + [by], None
+        self.rows, self.pad, self.sampler, self.last_B = self.rows + [p.row], self.pad + [by], None, None
         self._keep_homes(self.homes + [p.home])
         self._set_padding()
 
-    def step(self, tokens_B: torch.Tensor) -> torch.Tensor | None:
-        """One token per running sequence at the clock; the logits on the head's rank."""
+    def step(self) -> torch.Tensor | None:
+        """One token per running sequence, after its last one, at the clock; the logits on the head's rank."""
+        tokens_B = self.last_B
+        if tokens_B is None:
+            tokens_B = torch.tensor([r.generated[-1] for r in self.rows], device=self.engine.device)
         if self.clock == self.length:
             self._shift(-min(self.pad))
         logits = self.engine.forward_last(tokens_B[:, None], self.clock)
@@ -169,8 +175,10 @@ class RunningBatch:
     def record(self, tokens: list[int], rows: list[Row], device_tokens: torch.Tensor) -> None:
         for row, token in zip(rows, tokens, strict=True):
             row.generated.append(token)
-        if self.sampler is not None and rows is self.rows:
-            self.sampler.update(device_tokens)
+        if rows is self.rows:
+            self.last_B = device_tokens
+            if self.sampler is not None:
+                self.sampler.update(device_tokens)
 
     def _shift(self, by: int) -> None:
         """Move every row's columns by `by` (right > 0, left < 0); the clock with them."""

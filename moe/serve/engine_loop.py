@@ -32,9 +32,6 @@ class EngineLoop:
         self.batch = RunningBatch(engine, length)
         self.distributed = dist is not None and dist.world_size > 1
         self.loads_at = -math.inf  # the first plan gathers the expert load: /metrics has it from the first request on
-        # the running rows' last tokens on the device, as the step's one sample shared them, and the rows they are of:
-        # the next step's input while the batch's rows stay the same list (a join or a leave makes a new one)
-        self.last_B, self.last_of = None, None
 
     def run(self) -> None:
         with torch.inference_mode():  # every step's tensors, caches and samplers: one entry for the server's life
@@ -57,20 +54,13 @@ class EngineLoop:
             for row, logits in self.batch.prefill_chunks(self.chunk):
                 self._sample(logits, [row])
             if self.batch.rows:
-                self._sample(self.batch.step(self._last_tokens()), self.batch.rows)
+                self._sample(self.batch.step(), self.batch.rows)
                 if self.scheduler is not None:
                     self.scheduler.metrics.step(len(self.batch.rows))
             if plan.loads:
                 counts = self.engine.load_stats()[0]
                 if self.scheduler is not None:
                     self.scheduler.metrics.expert_load = counts.sum(dim=1).tolist()
-
-    def _last_tokens(self) -> torch.Tensor:
-        """[B] the running rows' last tokens: the last sample's, on the device (no copy from the host a step), or
-        made from the rows' records after the batch changed."""
-        if self.last_of is self.batch.rows:
-            return self.last_B
-        return torch.tensor([r.generated[-1] for r in self.batch.rows], device=self.engine.device)
 
     def _plan(self) -> Plan:
         """Rank 0's plan on every rank: a one-value broadcast says whether there is one, then the plan itself
@@ -93,9 +83,7 @@ class EngineLoop:
                   else torch.zeros(len(rows), width, dtype=torch.long, device=self.engine.device))
         shared = packed if self.engine.alone else self.engine.share(packed.reshape(-1)).view(len(rows), width)
         host = shared.tolist()  # the step's one read: what each request receives
-        tokens_B = shared[:, 0]
-        self.batch.record([h[0] for h in host], rows, tokens_B)
-        self.last_B, self.last_of = tokens_B, rows
+        self.batch.record([h[0] for h in host], rows, shared[:, 0])
         if self.scheduler is not None:
             self.scheduler.deliver([r.request for r in rows], host, top)
 
