@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -56,6 +57,10 @@ class Server:
             self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"the server did not stop within {timeout:.0f} s of SIGTERM; it said: "
+                                 f"{written(self.proc.stderr)[-3000:]}") from None
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()
@@ -67,3 +72,18 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def written(pipe) -> str:
+    """What a pipe holds now, without waiting for its end (rank processes left behind may hold it open)."""
+    os.set_blocking(pipe.fileno(), False)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(pipe.fileno(), 1 << 16)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks).decode(errors="replace")

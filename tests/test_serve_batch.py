@@ -1,12 +1,16 @@
 """The server's engine loop without HTTP: sequences that join at different steps, wait for a slot, outgrow the
 cache's end (every row moves left) or arrive with prompts longer than a step's budget (prefilled in chunks while
 the others decode) get the tokens `generate` gives each alone, also where the RoPE angles depend on each
-sequence's length. The latency histograms of /metrics count as Prometheus's do."""
+sequence's length. The latency histograms of /metrics count as Prometheus's do; SIGTERM's handler, which runs on the
+engine loop's thread between any two of its lines, never waits for a lock that thread holds."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import threading
 
 import pytest
 
@@ -14,7 +18,7 @@ from moe import MoEModel
 from moe.generation import SamplingParams
 from moe.serve.engine_loop import EngineLoop
 from moe.serve.metrics import Metrics
-from moe.serve.scheduler import Request, Scheduler
+from moe.serve.scheduler import QueueFull, Request, Scheduler
 from tests.checkpoints import TRAINED
 
 PROMPTS = ["It is a truth universally acknowledged, that", "And God said", "Emma Woodhouse, handsome, clever, and rich",
@@ -102,3 +106,34 @@ def test_latency_buckets_count_every_value_at_or_under_their_edge():
     assert [line for line in lines if line.startswith("t_bucket")] == [
         't_bucket{le="0.01"} 2', 't_bucket{le="0.1"} 4', 't_bucket{le="1.0"} 5', 't_bucket{le="+Inf"} 6']
     assert "t_count 6" in lines
+
+
+class RefusingLock:
+    """A lock that fails where another would wait: waited for on the thread that holds it, a lock never opens."""
+
+    def __init__(self) -> None:
+        self.inner = threading.Lock()
+
+    def __enter__(self) -> None:
+        if not self.inner.acquire(blocking=False):
+            raise AssertionError("waited for a lock that is held (by this very thread, under a signal's handler)")
+
+    def __exit__(self, *exc) -> None:
+        self.inner.release()
+
+
+def test_sigterm_while_the_plan_holds_the_lock_drains_at_the_next_plan():
+    """A server told to stop just as a request ended (the engine loop in `plan`, its lock held) stopped for good
+    once in a full test run: the handler waited for that lock on the thread that held it."""
+    scheduler = Scheduler(2, 4, 512, (), None, Metrics())
+    scheduler.lock = RefusingLock()
+    before = signal.signal(signal.SIGTERM, lambda *_: scheduler.drain_on_signal(5.0))  # as `moe.serve.launch` does
+    try:
+        with scheduler.lock:
+            os.kill(os.getpid(), signal.SIGTERM)  # its handler runs here, on this thread, before the next line
+            assert scheduler.drain_asked == 5.0
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    with pytest.raises(QueueFull, match="shutting down"):
+        scheduler.submit(Request([1, 2], SamplingParams(4), lambda event: None))
+    assert scheduler.plan(idle_wait=60).stop  # nothing running: it stops at once, without the idle wait

@@ -60,11 +60,12 @@ class Scheduler:
         self.ids = itertools.count(1)
         self.lock, self.wake = threading.Lock(), threading.Event()
         self.draining_until: float | None = None
+        self.drain_asked: float | None = None  # set by a signal's handler; the next plan starts the drain
         self.dead = ""
 
     def submit(self, request: Request) -> Request:
         with self.lock:
-            if self.dead or self.draining_until is not None:
+            if self.dead or self.draining_until is not None or self.drain_asked is not None:
                 raise QueueFull("the server is shutting down" if not self.dead else self.dead)
             free = max(0, self.max_num_seqs - len(self.running))
             if len(self.waiting) >= self.max_queue + free:  # more than the free slots and the queue hold
@@ -84,18 +85,26 @@ class Scheduler:
         self.wake.set()
 
     def drain(self, seconds: float) -> None:
-        """SIGTERM: accept nothing more; running and waiting requests have `seconds` to finish."""
+        """Accept nothing more; running and waiting requests have `seconds` to finish."""
         with self.lock:
             self.draining_until = time.monotonic() + seconds
         self.wake.set()
 
+    def drain_on_signal(self, seconds: float) -> None:
+        """`drain` from SIGTERM's or Ctrl-C's handler. Python runs a handler on the main thread, the engine loop's,
+        between any two of its lines: inside `plan`'s `with self.lock` too, so it takes no lock (neither the
+        scheduler's nor the wake event's), and the next plan starts the drain (within `idle_wait` when idle)."""
+        self.drain_asked = seconds
+
     def plan(self, idle_wait: float = 1.0) -> Plan:
         """The next step's changes. With nothing to do it waits (at most `idle_wait`: the other ranks wait in a
         collective meanwhile, which must not time out)."""
-        if not self.running and not self.waiting and self.draining_until is None:
+        if not self.running and not self.waiting and self.draining_until is None and self.drain_asked is None:
             self.wake.wait(idle_wait)
         self.wake.clear()
         with self.lock:
+            if self.drain_asked is not None and self.draining_until is None:
+                self.draining_until = time.monotonic() + self.drain_asked
             plan = Plan()
             for rid, request in list(self.running.items()):
                 if request.cancelled or request.out.finish_reason is not None:
