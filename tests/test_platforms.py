@@ -54,6 +54,33 @@ def test_host_answers_without_the_linux_apis(monkeypatch):
     assert not host.can_pin()
     assert host.rusage_peak_mib() != host.rusage_peak_mib()  # NaN: no getrusage on Windows
     assert host.process_alive(os.getpid())
+    assert host.thread_cpu_s(2**22 + 1) == {}  # no such process (as no /proc): nothing, not an error
+    monkeypatch.setattr(host.sys, "platform", "darwin")
+    host.name_this_thread("anything")  # no prctl there: a no-op
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names and /proc are Linux's")
+def test_a_named_threads_cpu_is_read_back_under_its_name():
+    """scripts/bench_serve.py tells the server's HTTP thread apart from its engine's by the name it gives it."""
+    import threading
+    import time
+
+    spun, read = threading.Event(), threading.Event()
+
+    def work() -> None:
+        host.name_this_thread("moe-test-spin")
+        while time.thread_time() < 0.1:
+            pass
+        spun.set()
+        read.wait()  # alive (its /proc entry there) until read
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    spun.wait()
+    spent = host.thread_cpu_s(os.getpid()).get("moe-test-spin", 0.0)
+    read.set()
+    thread.join()
+    assert spent >= 0.05  # whole clock ticks of the 0.1 s it spun
 
 
 def test_rank_processes_on_windows_are_refused_in_one_line(monkeypatch):

@@ -267,3 +267,6 @@ def test_the_serving_bench_reports_vllms_figures_for_each_level(tmp_path):
     for name in ("model.generate c=1", "model.generate compiled c=1"):
         assert rows[name]["output_tokens_per_s"] > 0 and len(rows[name]["rounds"]) == 2
     assert "TTFT med" in done.stdout and "each round:" in done.stdout
+    if sys.platform.startswith("linux"):  # CPU a token by thread: the HTTP thread told apart by its name
+        assert set(rows["ours x1 c=1"]["cpu_ms_per_token"]) >= {"http", "load generator"}
+        assert rows["model.generate c=1"]["cpu_ms_per_token"] and "ours x1 c=1: CPU a token" in done.stdout

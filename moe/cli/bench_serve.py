@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from moe.bench.serving import closed_loop, open_loop, summary, table
+from moe.bench.serving import closed_loop, open_loop, process_tree_cpu_s, summary, table
 from moe.cli.common import run_command
 
 
@@ -191,6 +191,9 @@ def bench(args: argparse.Namespace) -> int:
             print(f"model.generate, one request at a time, {how} steps: {rows[name]['output_tokens_per_s']:.1f} tok/s; "
                   f"{server} / it, each round: {' '.join(f'{r:.2f}x' for r in ratios)} "
                   f"(median {statistics.median(ratios):.2f}x; the c=1 goal: >= 0.9x)")
+    for name, row in rows.items():
+        if "cpu_ms_per_token" in row:
+            print(f"{name}: CPU a token {cpu_line(row['cpu_ms_per_token'])} (this machine: {os.cpu_count()} cores)")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": cpu_name(), "commit": commit(), "rows": rows}, indent=1))
     return 0
@@ -202,18 +205,59 @@ def measure_level(args, running: dict, alone: dict, prompts: list, level: int) -
     n = args.requests or max(2 * level, 8)
     runs: dict[str, list[tuple[list, float]]] = {}  # a server's (results, seconds) in each round
     spent: dict[str, list[dict]] = {}  # a model.generate's seconds and tokens in each round
+    cpu: dict[str, Cpu] = {}  # at c=1: each process's CPU a token, by thread, and the load generator's
     for _ in range(args.turns if level == 1 else 1):
-        for name, (_, url, model) in running.items():
-            runs.setdefault(name, []).append(asyncio.run(closed_loop(url, model, prompts, args.output_len, level, n)))
+        for name, (proc, url, model) in running.items():
+            with cpu.setdefault(name, Cpu(proc.pid)) as reading:
+                runs.setdefault(name, []).append(reading.tokens_of(
+                    asyncio.run(closed_loop(url, model, prompts, args.output_len, level, n))))
         for name, worker in alone.items():
-            spent.setdefault(name, []).append(worker.measure(n))
+            with cpu.setdefault(name, Cpu(worker.proc.pid)) as reading:
+                spent.setdefault(name, []).append(reading.tokens_of(worker.measure(n)))
     rows = {f"{name} c={level}": {**summary([r for results, _ in rs for r in results], sum(s for _, s in rs)),
                                   "rounds": [summary(*r)["output_tokens_per_s"] for r in rs]}
             for name, rs in runs.items()}
     for name, done in spent.items():
         rows[f"{name} c=1"] = {"requests": n * len(done), "rounds": [d["tokens"] / d["seconds"] for d in done],
                                "output_tokens_per_s": sum(d["tokens"] for d in done) / sum(d["seconds"] for d in done)}
+    if level == 1:
+        for name, reading in cpu.items():
+            rows[f"{name} c=1"]["cpu_ms_per_token"] = reading.per_token()
     return rows
+
+
+class Cpu:
+    """CPU a token over the rounds it is entered for: the process's (and its ranks') threads by name, and this
+    process's, the load generator's (0 where it only waits for a model.generate)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.spent, self.tokens = pid, {}, 0
+
+    def __enter__(self) -> Cpu:
+        self.before, self.own = process_tree_cpu_s(self.pid), sum(os.times()[:2])
+        return self
+
+    def tokens_of(self, result):
+        """`result` (a closed loop's, or a model.generate's figures), its output tokens counted."""
+        self.tokens += result["tokens"] if isinstance(result, dict) else sum(t.tokens for t in result[0] if t.ok)
+        return result
+
+    def __exit__(self, *exc) -> None:
+        after = {**process_tree_cpu_s(self.pid), "load generator": sum(os.times()[:2])}
+        before = {**self.before, "load generator": self.own}
+        for name, seconds in after.items():
+            self.spent[name] = self.spent.get(name, 0.0) + seconds - before.get(name, 0.0)
+
+    def per_token(self) -> dict[str, float]:
+        return {name: seconds * 1e3 / max(self.tokens, 1) for name, seconds in self.spent.items()}
+
+
+def cpu_line(ms: dict[str, float]) -> str:
+    """"4.10 ms: http 0.19, python 3.91; load generator 0.09": a process's threads by name, then the client's."""
+    own = {k: v for k, v in ms.items() if k != "load generator" and v >= 0.005}
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(own.items(), key=lambda kv: -kv[1]))
+    line = f"{sum(own.values()):.2f} ms: {parts}"
+    return line + (f"; load generator {ms['load generator']:.2f}" if ms.get("load generator", 0) >= 0.005 else "")
 
 
 def soak(args, url: str, model: str, prompts: list, pid: int) -> dict:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe.host import name_this_thread
 from moe.parallel.distributed import DEFAULT_TIMEOUT_S
 from moe.progress import Progress
 from moe.serve.app import OpenAIServer, ServerState
@@ -144,7 +145,12 @@ def _start_http(state: ServerState, options: ServeOptions):
     config = uvicorn.Config(OpenAIServer(state).app(), host=options.host, port=options.port, log_level="warning",
                             timeout_graceful_shutdown=1)
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="http", daemon=True)
+
+    def run() -> None:
+        name_this_thread("http")  # told apart from the engine's threads in `top -H` and by scripts/bench_serve.py
+        server.run()
+
+    thread = threading.Thread(target=run, name="http", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started and thread.is_alive() and time.monotonic() < deadline:
