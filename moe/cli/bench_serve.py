@@ -9,7 +9,8 @@ idle while another is measured. Prompts are the same token ids for every server;
 `max_tokens` tokens with `ignore_eos`. llama-server runs with `-np` = the largest concurrency, `-t`/`-tb` = the
 threads, prompt caching off. Also measured: `model.generate` alone, one request at a time, eager and (--compile)
 compiled, the figures the servers' c=1 is set against (the 1-request goal); c=1 runs `--turns` rounds, the servers
-and `model.generate` in turns, and the ratio is given for each round.
+and `model.generate` in turns, and the ratio is given for each round, with the CPU a token each process spent, by
+thread (the server's HTTP thread is `http`), and the load generator's.
 """
 
 from __future__ import annotations
