@@ -76,6 +76,16 @@ def name_this_thread(name: str) -> None:
         ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
 
 
+def stacks_on_sigusr1() -> None:
+    """`kill -USR1 PID` writes every thread's Python stack to stderr and the process goes on: a server that seems
+    stuck says where it is (POSIX; Windows has no SIGUSR1)."""
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def thread_cpu_s(pid: int) -> dict[str, float]:
     """CPU seconds (user + system) a process's threads have spent, summed by thread name; {} where /proc is not."""
     spent: dict[str, float] = {}

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 
@@ -30,7 +32,7 @@ class Server:
         return server
 
     def start(self, argv: list[str], port: int, cwd=None) -> None:
-        self.port = port
+        self.port, self.said = port, ""
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, *argv], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True)
@@ -53,17 +55,24 @@ class Server:
         return httpx.post(self.url + path, json=body, timeout=120, **kw)
 
     def stop(self, timeout: float = 60) -> int:
+        if self.proc.stderr.closed:  # stopped before
+            return self.proc.returncode
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            for pid in process_tree(self.proc.pid):  # each process's threads' stacks to stderr (`moe.host`)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
+            time.sleep(2)  # a failure's path only: the stacks written
             self.proc.kill()
             raise AssertionError(f"the server did not stop within {timeout:.0f} s of SIGTERM; it said: "
-                                 f"{written(self.proc.stderr)[-3000:]}") from None
+                                 f"{written(self.proc.stderr)[-6000:]}") from None
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()
+            self.said += written(self.proc.stderr)  # what it wrote to stderr, for the test to read
             self.proc.stdout.close()
             self.proc.stderr.close()
 
@@ -87,3 +96,17 @@ def written(pipe) -> str:
             break
         chunks.append(chunk)
     return b"".join(chunks).decode(errors="replace")
+
+
+def process_tree(pid: int) -> list[int]:
+    """A process and its descendants (a server's rank processes), from /proc."""
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        try:
+            for tid in os.listdir(f"/proc/{tree[-1]}/task"):
+                with open(f"/proc/{tree[-1]}/task/{tid}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            pass
+    return tree

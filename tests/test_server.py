@@ -167,6 +167,8 @@ def test_backpressure_cancellation_and_sigterm(tmp_path):
                 text = [json.loads(x[6:]) for x in two.iter_lines() if x.startswith("data: {")]
                 assert text[-1]["choices"][0]["finish_reason"] == "length"
             queued.close()
+        server.proc.send_signal(signal.SIGUSR1)  # every thread's stack to stderr, and it goes on
+        assert server.post("/v1/completions", {"prompt": "And", "max_tokens": 2}).status_code == 200
         body = {"prompt": "And", "max_tokens": 100, "ignore_eos": True, "stream": True}
         with httpx.Client(timeout=120) as http, http.stream("POST", server.url + "/v1/completions", json=body) as s:
             lines = s.iter_lines()
@@ -175,6 +177,7 @@ def test_backpressure_cancellation_and_sigterm(tmp_path):
             rest = [x for x in lines if x]
         assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
         assert server.stop() == 0
+        assert 'File "' in server.said and "(most recent call first)" in server.said
 
 
 MIXED = {"world_size": 2, "embed_rank": 0, "head_rank": 1,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe.host import name_this_thread
+from moe.host import name_this_thread, stacks_on_sigusr1
 from moe.parallel.distributed import DEFAULT_TIMEOUT_S
 from moe.progress import Progress
 from moe.serve.app import OpenAIServer, ServerState
@@ -51,6 +51,7 @@ def serve(options: ServeOptions) -> int:
     from moe.serve.metrics import Metrics
     from moe.serve.scheduler import Scheduler
 
+    stacks_on_sigusr1()
     rank = int(os.environ.get("RANK", "0"))
     state = ServerState(options.served_model_name or os.path.basename(os.path.normpath(options.ckpt)),
                         options.max_model_len or 0, options.max_body_bytes, options.api_key)
@@ -178,6 +179,7 @@ def serve_ranks(options: ServeOptions, world_size: int) -> int:
     """Start N rank processes and wait: SIGTERM or Ctrl-C here is passed to rank 0, which drains and stops all."""
     from moe.workers.group import run_ranks
 
+    stacks_on_sigusr1()
     threads = options.threads or max(1, (os.cpu_count() or 1) // world_size)
     options = ServeOptions(**{**options.__dict__, "threads": threads})
     run_ranks(serve_rank, world_size, options, threads=threads, stop_through_rank0=True)
