@@ -86,6 +86,20 @@ def stacks_on_sigusr1() -> None:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
+def process_tree(pid: int) -> list[int]:
+    """A process and its descendants (a server's rank processes), from /proc; [pid] where there is none."""
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        try:
+            for tid in os.listdir(f"/proc/{tree[-1]}/task"):
+                with open(f"/proc/{tree[-1]}/task/{tid}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            pass
+    return tree
+
+
 def thread_cpu_s(pid: int) -> dict[str, float]:
     """CPU seconds (user + system) a process's threads have spent, summed by thread name; {} where /proc is not."""
     spent: dict[str, float] = {}

@@ -11,6 +11,7 @@ import time
 
 import httpx
 
+from moe.host import process_tree
 from moe.parallel.distributed import free_port
 from tests.checkpoints import ROOT
 from tests.waiting import wait_until
@@ -97,16 +98,3 @@ def written(pipe) -> str:
         chunks.append(chunk)
     return b"".join(chunks).decode(errors="replace")
 
-
-def process_tree(pid: int) -> list[int]:
-    """A process and its descendants (a server's rank processes), from /proc."""
-    tree, todo = [], [pid]
-    while todo:
-        tree.append(todo.pop())
-        try:
-            for tid in os.listdir(f"/proc/{tree[-1]}/task"):
-                with open(f"/proc/{tree[-1]}/task/{tid}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-        except OSError:
-            pass
-    return tree

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import statistics
 import time
@@ -140,22 +139,11 @@ def table(rows: dict[str, dict]) -> str:
 
 def process_tree_cpu_s(pid: int) -> dict[str, float]:
     """CPU seconds of a process and its descendants (a server's rank processes), summed by thread name."""
-    from moe.host import thread_cpu_s
+    from moe.host import process_tree, thread_cpu_s
 
-    spent, todo = {}, [pid]
-    while todo:
-        p = todo.pop()
+    spent: dict[str, float] = {}
+    for p in process_tree(pid):
         for name, seconds in thread_cpu_s(p).items():
             spent[name] = spent.get(name, 0.0) + seconds
-        try:
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-        except OSError:
-            pass
     return spent
 
-
-def cpu_per_token(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, float]:
-    """Milliseconds of CPU a token between two `process_tree_cpu_s` readings, by thread name."""
-    return {name: (after[name] - before.get(name, 0.0)) * 1e3 / max(tokens, 1) for name in after}
