@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 
 import pytest
 
@@ -131,9 +132,11 @@ def test_sigterm_while_the_plan_holds_the_lock_drains_at_the_next_plan():
     try:
         with scheduler.lock:
             os.kill(os.getpid(), signal.SIGTERM)  # its handler runs here, on this thread, before the next line
-            assert scheduler.drain_asked == 5.0
+            assert scheduler.drain_asks == [5.0]
     finally:
         signal.signal(signal.SIGTERM, before)
     with pytest.raises(QueueFull, match="shutting down"):
         scheduler.submit(Request([1, 2], SamplingParams(4), lambda event: None))
+    scheduler.drain_on_signal(600.0)  # a second signal never lengthens the drain
     assert scheduler.plan(idle_wait=60).stop  # nothing running: it stops at once, without the idle wait
+    assert scheduler.draining_until - time.monotonic() < 5.0 and not scheduler.drain_asks

@@ -60,12 +60,12 @@ class Scheduler:
         self.ids = itertools.count(1)
         self.lock, self.wake = threading.Lock(), threading.Event()
         self.draining_until: float | None = None
-        self.drain_asked: float | None = None  # set by a signal's handler; the next plan starts the drain
+        self.drain_asks: list[float] = []  # drains asked by a signal's handler (seconds), started by the next plan
         self.dead = ""
 
     def submit(self, request: Request) -> Request:
         with self.lock:
-            if self.dead or self.draining_until is not None or self.drain_asked is not None:
+            if self.dead or self.draining_until is not None or self.drain_asks:
                 raise QueueFull("the server is shutting down" if not self.dead else self.dead)
             free = max(0, self.max_num_seqs - len(self.running))
             if len(self.waiting) >= self.max_queue + free:  # more than the free slots and the queue hold
@@ -93,18 +93,20 @@ class Scheduler:
     def drain_on_signal(self, seconds: float) -> None:
         """`drain` from SIGTERM's or Ctrl-C's handler. Python runs a handler on the main thread, the engine loop's,
         between any two of its lines: inside `plan`'s `with self.lock` too, so it takes no lock (neither the
-        scheduler's nor the wake event's), and the next plan starts the drain (within `idle_wait` when idle)."""
-        self.drain_asked = seconds
+        scheduler's nor the wake event's), and the next plan starts the drain (within `idle_wait` when idle). A
+        later signal can shorten a drain (Ctrl-C after SIGTERM), never lengthen it."""
+        self.drain_asks.append(seconds)  # one call: a handler that runs amid `plan`'s pops loses no ask
 
     def plan(self, idle_wait: float = 1.0) -> Plan:
         """The next step's changes. With nothing to do it waits (at most `idle_wait`: the other ranks wait in a
         collective meanwhile, which must not time out)."""
-        if not self.running and not self.waiting and self.draining_until is None and self.drain_asked is None:
+        if not self.running and not self.waiting and self.draining_until is None and not self.drain_asks:
             self.wake.wait(idle_wait)
         self.wake.clear()
         with self.lock:
-            if self.drain_asked is not None and self.draining_until is None:
-                self.draining_until = time.monotonic() + self.drain_asked
+            while self.drain_asks:
+                until = time.monotonic() + self.drain_asks.pop(0)
+                self.draining_until = until if self.draining_until is None else min(self.draining_until, until)
             plan = Plan()
             for rid, request in list(self.running.items()):
                 if request.cancelled or request.out.finish_reason is not None:
