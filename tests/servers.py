@@ -97,4 +97,3 @@ def written(pipe) -> str:
             break
         chunks.append(chunk)
     return b"".join(chunks).decode(errors="replace")
-

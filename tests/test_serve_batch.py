@@ -124,8 +124,9 @@ class RefusingLock:
 
 
 def test_sigterm_while_the_plan_holds_the_lock_drains_at_the_next_plan():
-    """A server told to stop just as a request ended (the engine loop in `plan`, its lock held) stopped for good
-    once in a full test run: the handler waited for that lock on the thread that held it."""
+    """A server told to stop just as a request ended (the engine loop in `plan`, its lock held) would wait forever:
+    the handler waited for that lock on the thread that held it (the likely cause of a 2-rank server that once did
+    not stop in a full test run)."""
     scheduler = Scheduler(2, 4, 512, (), None, Metrics())
     scheduler.lock = RefusingLock()
     before = signal.signal(signal.SIGTERM, lambda *_: scheduler.drain_on_signal(5.0))  # as `moe.serve.launch` does
