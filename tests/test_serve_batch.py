@@ -129,7 +129,7 @@ def test_sigterm_while_the_plan_holds_the_lock_drains_at_the_next_plan():
     not stop in a full test run)."""
     scheduler = Scheduler(2, 4, 512, (), None, Metrics())
     scheduler.lock = RefusingLock()
-    before = signal.signal(signal.SIGTERM, lambda *_: scheduler.drain_on_signal(5.0))  # as `moe.serve.launch` does
+    before = signal.signal(signal.SIGTERM, lambda *_: scheduler.drain(5.0))  # as `moe.serve.launch` does
     try:
         with scheduler.lock:
             os.kill(os.getpid(), signal.SIGTERM)  # its handler runs here, on this thread, before the next line
@@ -138,6 +138,6 @@ def test_sigterm_while_the_plan_holds_the_lock_drains_at_the_next_plan():
         signal.signal(signal.SIGTERM, before)
     with pytest.raises(QueueFull, match="shutting down"):
         scheduler.submit(Request([1, 2], SamplingParams(4), lambda event: None))
-    scheduler.drain_on_signal(600.0)  # a second signal never lengthens the drain
+    scheduler.drain(600.0)  # a second signal never lengthens the drain
     assert scheduler.plan(idle_wait=60).stop  # nothing running: it stops at once, without the idle wait
     assert scheduler.draining_until - time.monotonic() < 5.0 and not scheduler.drain_asks

@@ -75,8 +75,8 @@ def serve(options: ServeOptions) -> int:
         if rank == 0:
             scheduler = Scheduler(options.max_num_seqs, options.max_queue, options.token_budget, model.eos_ids,
                                   model.tokenizer, Metrics())
-            signal.signal(signal.SIGTERM, lambda *_: scheduler.drain_on_signal(options.drain_s))
-            signal.signal(signal.SIGINT, lambda *_: scheduler.drain_on_signal(0))
+            signal.signal(signal.SIGTERM, lambda *_: scheduler.drain(options.drain_s))
+            signal.signal(signal.SIGINT, lambda *_: scheduler.drain(0))
             state.scheduler = scheduler  # /health turns 200
             print(f"serving {state.served} on http://{options.host}:{options.port} ({model.info.ranks} rank(s), "
                   f"{options.max_num_seqs} sequences of up to {length} tokens)", file=sys.stderr, flush=True)

@@ -60,7 +60,7 @@ class Scheduler:
         self.ids = itertools.count(1)
         self.lock, self.wake = threading.Lock(), threading.Event()
         self.draining_until: float | None = None
-        self.drain_asks: list[float] = []  # drains asked by a signal's handler (seconds), started by the next plan
+        self.drain_asks: list[float] = []  # drains asked (seconds), started by the next plan
         self.dead = ""
 
     def submit(self, request: Request) -> Request:
@@ -85,16 +85,11 @@ class Scheduler:
         self.wake.set()
 
     def drain(self, seconds: float) -> None:
-        """Accept nothing more; running and waiting requests have `seconds` to finish."""
-        with self.lock:
-            self.draining_until = time.monotonic() + seconds
-        self.wake.set()
-
-    def drain_on_signal(self, seconds: float) -> None:
-        """`drain` from SIGTERM's or Ctrl-C's handler. Python runs a handler on the main thread, the engine loop's,
-        between any two of its lines: inside `plan`'s `with self.lock` too, so it takes no lock (neither the
-        scheduler's nor the wake event's), and the next plan starts the drain (within `idle_wait` when idle). A
-        later signal can shorten a drain (Ctrl-C after SIGTERM), never lengthen it."""
+        """Accept nothing more; running and waiting requests have `seconds` to finish. Called from SIGTERM's or
+        Ctrl-C's handler, which Python runs on the main thread, the engine loop's, between any two of its lines (inside
+        `plan`'s `with self.lock` too): so it takes no lock (neither the scheduler's nor the wake event's), and the
+        next plan starts the drain (within `idle_wait` when idle). A later call can shorten a drain (Ctrl-C after
+        SIGTERM), never lengthen it."""
         self.drain_asks.append(seconds)  # one call: a handler that runs amid `plan`'s pops loses no ask
 
     def plan(self, idle_wait: float = 1.0) -> Plan:
