@@ -210,11 +210,14 @@ def measure_level(args, running: dict, alone: dict, prompts: list, level: int) -
     for _ in range(args.turns if level == 1 else 1):
         for name, (proc, url, model) in running.items():
             with cpu.setdefault(name, Cpu(proc.pid)) as reading:
-                runs.setdefault(name, []).append(reading.tokens_of(
-                    asyncio.run(closed_loop(url, model, prompts, args.output_len, level, n))))
+                results, seconds = asyncio.run(closed_loop(url, model, prompts, args.output_len, level, n))
+                reading.tokens += sum(t.tokens for t in results if t.ok)
+            runs.setdefault(name, []).append((results, seconds))
         for name, worker in alone.items():
             with cpu.setdefault(name, Cpu(worker.proc.pid)) as reading:
-                spent.setdefault(name, []).append(reading.tokens_of(worker.measure(n)))
+                done = worker.measure(n)
+                reading.tokens += done["tokens"]
+            spent.setdefault(name, []).append(done)
     rows = {f"{name} c={level}": {**summary([r for results, _ in rs for r in results], sum(s for _, s in rs)),
                                   "rounds": [summary(*r)["output_tokens_per_s"] for r in rs]}
             for name, rs in runs.items()}
@@ -232,16 +235,11 @@ class Cpu:
     process's, the load generator's (0 where it only waits for a model.generate)."""
 
     def __init__(self, pid: int) -> None:
-        self.pid, self.spent, self.tokens = pid, {}, 0
+        self.pid, self.spent, self.tokens = pid, {}, 0  # tokens: the output tokens of the rounds, added by the caller
 
     def __enter__(self) -> Cpu:
         self.before, self.own = process_tree_cpu_s(self.pid), sum(os.times()[:2])
         return self
-
-    def tokens_of(self, result):
-        """`result` (a closed loop's, or a model.generate's figures), its output tokens counted."""
-        self.tokens += result["tokens"] if isinstance(result, dict) else sum(t.tokens for t in result[0] if t.ok)
-        return result
 
     def __exit__(self, *exc) -> None:
         after = {**process_tree_cpu_s(self.pid), "load generator": sum(os.times()[:2])}
