@@ -12,6 +12,7 @@ import time
 import pytest
 
 from moe import MoEModel
+from moe.host import process_tree
 from moe.workers.group import RankFailure
 from tests.checkpoints import ROOT, SHIPPED
 from tests.waiting import alive, wait_gone
@@ -56,10 +57,10 @@ def test_busy_port_fails_at_once():
         s.listen()
         port = s.getsockname()[1]
         # Found before any rank starts: the call neither waits for the group's timeout nor leaves a process.
-        before = set(children(os.getpid()))
+        before = set(process_tree(os.getpid()))
         with pytest.raises(ValueError, match=f"{port} is already in use"):
             MoEModel.from_pretrained(SHIPPED, gpus=2, master_port=port, timeout_s=60)
-        assert set(children(os.getpid())) <= before
+        assert set(process_tree(os.getpid())) <= before
 
 
 def test_workers_stop_on_close_and_at_interpreter_exit():
@@ -89,14 +90,6 @@ def test_cli_four_ranks_prints_the_one_rank_text():
     assert text and text == [line for line in one.splitlines() if line.startswith("And God said")]
 
 
-def children(pid: int) -> list[int]:
-    out = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/children") as f:
-            out += [int(c) for c in f.read().split()]
-    return out
-
-
 def test_cli_exits_non_zero_naming_the_killed_rank():
     proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "generate.py"), "--ckpt", str(SHIPPED),
                              "--gpus", "3", "--prompt", "And God said", "--max-new-tokens", "1500"],
@@ -104,7 +97,7 @@ def test_cli_exits_non_zero_naming_the_killed_rank():
     # Wait for generation to start (the prompt is echoed once the ranks are up), then kill one rank.
     while "And God said" not in proc.stdout.readline():
         assert proc.poll() is None, proc.stderr.read()
-    ranks = [c for c in children(proc.pid) if "moe.workers.entry" in open(f"/proc/{c}/cmdline").read()]
+    ranks = [c for c in process_tree(proc.pid) if "moe.workers.entry" in open(f"/proc/{c}/cmdline").read()]
     assert len(ranks) == 3
     os.kill(ranks[1], signal.SIGKILL)
     _, err = proc.communicate(timeout=30)
