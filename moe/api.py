@@ -237,8 +237,7 @@ class MoEModel:
 
     def _sampling(self, max_new_tokens: int, stop=None, stop_token_ids=None, **given) -> SamplingParams:
         """The request's parameters: the caller's, else the checkpoint's generation_config.json's, else off."""
-        defaulted = {k: given.pop(k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-                     if k in given}
+        defaulted = {k: given.pop(k, None) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
         sampling, self.last_defaults = self.generation_defaults.merged(**defaulted)
         return SamplingParams(max_new_tokens, **sampling, **given, stop=() if stop is None else stop,
                               stop_token_ids=() if stop_token_ids is None else stop_token_ids)

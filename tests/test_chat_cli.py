@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pty
 import select
@@ -105,3 +106,17 @@ def test_a_checkpoint_without_a_template_is_refused_in_one_line(tmp_path):
     done = subprocess.run([*CHAT, "--ckpt", str(path), *FLAGS, "--chat-template", str(template)], input="hi\n",
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.endswith("\n")
+
+
+def test_the_settings_line_names_generation_configs_defaults_and_the_reply_follows_them(tmp_path):
+    path = checkpoint(tmp_path, template_config=CHATML)
+    (path / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.7, "top_p": 0.8}))
+    done = subprocess.run([*CHAT, "--ckpt", str(path), "--max-new-tokens", "6", "--top-p", "0.5", "--seed", "3"],
+                          input="Who is Emma?\n", capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert [line for line in done.stderr.splitlines() if line.startswith("settings:")] == [
+        "settings: max_new_tokens=6 temperature=0.7* top_p=0.5 top_k=0 seed=3 (* from generation_config.json)"]
+    with MoEModel.from_pretrained(path) as model:  # the same reply asked for with every setting spelled out
+        want = model.chat([{"role": "user", "content": "Who is Emma?"}], max_new_tokens=6, seed=3, temperature=0.7,
+                          top_p=0.5)
+    assert done.stdout == f"{want}\n"

@@ -127,9 +127,13 @@ def test_raw_http_errors_health_models_tokenize(server, local):
     assert "moe_generation_tokens_total" in metrics and 'moe_expert_tokens_total{block="0",expert="0"}' in metrics
 
 
+GENERATION_CONFIG = {"do_sample": True, "temperature": 0.7, "top_k": 5}
+
+
 @pytest.fixture(scope="module")
 def chat_server(tmp_path_factory):
     path = checkpoint(tmp_path_factory.mktemp("served-chat"), template_config=CHATML)
+    (path / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
     with Server(path, "--api-key", "secret") as s:
         yield s, path
 
@@ -149,6 +153,22 @@ def test_chat_completions_through_the_template(chat_server):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == str(want)
     assert server.post("/v1/chat/completions", {"messages": messages}).status_code == 401  # no key
+
+
+def test_a_request_without_sampling_values_takes_generation_configs(chat_server):
+    """As vLLM serves by default: what a request leaves out comes from generation_config.json (here temperature 0.7
+    and top_k 5), what it gives wins (top_p), and OpenAI's defaults fill the rest."""
+    server, path = chat_server
+    messages = [{"role": "user", "content": "Who is Emma?"}]
+    client = server.client(api_key="secret")
+    got = [client.chat.completions.create(model=path.name, messages=messages, max_tokens=12, seed=seed, top_p=0.9)
+           .choices[0].message.content for seed in (3, 4)]
+    with MoEModel.from_pretrained(path) as model:
+        want = [str(model.chat(messages, max_new_tokens=12, seed=seed, temperature=0.7, top_k=5, top_p=0.9))
+                for seed in (3, 4)]
+        openais = [str(model.chat(messages, max_new_tokens=12, seed=seed, temperature=1.0, top_k=0, top_p=0.9))
+                   for seed in (3, 4)]
+    assert got == want and got != openais
 
 
 def test_backpressure_cancellation_and_sigterm(tmp_path):

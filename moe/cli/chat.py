@@ -13,7 +13,7 @@ import sys
 
 from moe.api import MoEModel
 from moe.chat.template import read_template_file
-from moe.cli.common import add_model_args, add_sampling_args, run_command, sampling_args
+from moe.cli.common import add_model_args, add_sampling_args, run_command, sampling_args, sampling_settings
 from moe.parallel.distributed import under_torchrun
 from moe.tokenizer import load_tokenizer
 
@@ -55,6 +55,9 @@ def chat(args: argparse.Namespace) -> int:
                                   placement=args.placement, threads=args.threads, timeout_s=args.timeout,
                                   progress=interactive and not args.quiet) as model:
         session = Session(model, args.system, template, sampling, args.seed)
+        if not args.quiet:  # standard output holds the replies alone
+            shown, note = sampling_settings(model, args)
+            print(f"settings: {shown} seed={'random' if args.seed is None else args.seed}{note}", file=sys.stderr)
         if interactive:
             print("chat: /reset forgets the conversation, /exit ends it; Ctrl-C stops a reply", file=sys.stderr)
             _line_editing()

@@ -143,3 +143,14 @@ def sampling_args(args: argparse.Namespace) -> dict:
                  presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                  stop=args.stop, stop_token_ids=args.stop_token_id)
     return {k: v for k, v in given.items() if v is not None}
+
+
+def sampling_settings(model, args: argparse.Namespace) -> tuple[str, str]:
+    """The sampling a command runs with, for its `settings:` line: each option given or defaulted, `*` on
+    those that came from the checkpoint's generation_config.json (as transformers and vLLM apply them)."""
+    sampling, from_file = model.generation_defaults.merged(temperature=args.temperature, top_p=args.top_p,
+                                                           top_k=args.top_k, min_p=args.min_p,
+                                                           repetition_penalty=args.repetition_penalty)
+    sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": 0} | sampling
+    shown = " ".join(f"{k}={v}" + ("*" if k in from_file else "") for k, v in sampling.items())
+    return f"max_new_tokens={args.max_new_tokens} {shown}", " (* from generation_config.json)" if from_file else ""

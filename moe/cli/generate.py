@@ -23,6 +23,7 @@ from moe.cli.common import (
     refuse_gpus_under_torchrun,
     run_command,
     sampling_args,
+    sampling_settings,
     say_from,
 )
 from moe.generation import GenerationResult, SamplingParams
@@ -126,14 +127,8 @@ def run_and_print(model: MoEModel, args: argparse.Namespace, prompts: list[str],
     seed = args.seed if args.seed is not None else model.random_seed()  # drawn on one rank, shared
     say(f"model: {args.ckpt} ({model.info.format}), {cfg.n_layers} blocks, "
         f"{cfg.n_experts} experts top-{cfg.top_k}, dim {cfg.dim}; ranks: {model.info.ranks}")
-    sampling, from_file = model.generation_defaults.merged(temperature=args.temperature, top_p=args.top_p,
-                                                           top_k=args.top_k, min_p=args.min_p,
-                                                           repetition_penalty=args.repetition_penalty)
-    sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": 0} | sampling
-    shown = " ".join(f"{k}={v}" + ("*" if k in from_file else "") for k, v in sampling.items())
-    note = " (* from generation_config.json)" if from_file else ""
-    say(f"settings: max_new_tokens={args.max_new_tokens} {shown} seed={seed} dtype={model.info.dtype} "
-        f"prompts={len(prompts)}{note}")
+    shown, note = sampling_settings(model, args)
+    say(f"settings: {shown} seed={seed} dtype={model.info.dtype} prompts={len(prompts)}{note}")
     if args.expert_load:
         model.track_router_entropy()
     single = len(prompts) == 1

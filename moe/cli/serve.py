@@ -43,6 +43,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                     help="on SIGTERM, how long running requests may take to finish (default 30)")
     ap.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger request bodies get 413")
+    ap.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
+                    help="auto (default): the sampling values a request leaves out come from the checkpoint's "
+                         "generation_config.json where it sets them; vllm: OpenAI's defaults (temperature 1, the rest "
+                         "off), as vLLM's flag of that name")
     ap.add_argument("--no-compile", dest="compile", action="store_false",
                     help="eager decode steps. By default one CPU rank runs compiled ones: a step for every batch size "
                          "up to --max-num-seqs, built at start-up before /health turns 200 where the step cache does "
@@ -72,7 +76,8 @@ def serve_command(args: argparse.Namespace) -> int:
     options = ServeOptions(args.ckpt, args.host, args.port, args.dtype, args.device, args.max_num_seqs,
                            args.max_model_len, args.max_queue, args.max_num_batched_tokens, args.served_model_name,
                            args.api_key, args.max_body_bytes, args.drain_timeout, args.threads, args.attention,
-                           args.experts, args.placement, args.timeout, not args.quiet, args.compile)
+                           args.experts, args.placement, args.timeout, not args.quiet, args.compile,
+                           args.generation_config == "auto")
     if args.gpus > 1 and not under_torchrun():
         return serve_ranks(options, args.gpus)
     return serve(options)

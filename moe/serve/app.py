@@ -31,6 +31,7 @@ class ServerState:
     scheduler: Scheduler | None = None  # set once the model is loaded
     tokenizer: Tokenizer | None = None
     vocab_size: int = 0
+    defaults: dict = field(default_factory=dict)  # sampling values a request leaves out: generation_config.json's
     dead: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -136,7 +137,8 @@ class OpenAIServer:
     async def run(self, request: HttpRequest, kind: str, body: dict, prompts: list[list[int]], turn_end) -> Response:
         if self.state.scheduler is None:
             raise ApiError(503, "the model is still loading", kind="ServiceUnavailable", headers={"Retry-After": "5"})
-        parsed = [protocol.sampling(body, kind, len(p), self.state.max_model_len, turn_end) for p in prompts]
+        parsed = [protocol.sampling(body, kind, len(p), self.state.max_model_len, turn_end, self.state.defaults)
+                  for p in prompts]
         loop, events, submitted = asyncio.get_running_loop(), asyncio.Queue(), []
         try:  # every prompt's events reach this request's one queue, with the prompt's index
             for i, (prompt, p) in enumerate(zip(prompts, parsed, strict=True)):

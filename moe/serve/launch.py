@@ -42,6 +42,7 @@ class ServeOptions:
     timeout_s: float = DEFAULT_TIMEOUT_S
     progress: bool = True  # checkpoint reading shown on rank 0
     compile: bool = True  # compiled decode steps at start-up (one CPU rank, or a pipeline on N ranks); False: eager
+    generation_config: bool = True  # a request's sampling defaults: the checkpoint's generation_config.json's
 
 
 def serve(options: ServeOptions) -> int:
@@ -69,6 +70,8 @@ def serve(options: ServeOptions) -> int:
     with model:
         length = _context(model, options)
         state.max_model_len, state.tokenizer, state.vocab_size = length, model.tokenizer, model.config.vocab_size
+        if options.generation_config:
+            state.defaults = dict(model.generation_defaults.sampling)
         if options.compile:
             _compiled_steps(model, options.max_num_seqs, length, options.progress and rank == 0)
         scheduler = None
@@ -80,6 +83,10 @@ def serve(options: ServeOptions) -> int:
             state.scheduler = scheduler  # /health turns 200
             print(f"serving {state.served} on http://{options.host}:{options.port} ({model.info.ranks} rank(s), "
                   f"{options.max_num_seqs} sequences of up to {length} tokens)", file=sys.stderr, flush=True)
+            if state.defaults:
+                shown = " ".join(f"{k}={v}" for k, v in state.defaults.items())
+                print(f"requests' sampling defaults from generation_config.json: {shown} (--generation-config vllm: "
+                      "OpenAI's)", file=sys.stderr, flush=True)
         else:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains, then stops every rank
             signal.signal(signal.SIGINT, signal.SIG_IGN)

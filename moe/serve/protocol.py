@@ -65,8 +65,11 @@ def check_fields(body: object, kind: str, served: str) -> dict:
     return body
 
 
-def sampling(body: dict, kind: str, prompt_len: int, max_model_len: int, turn_end: int | None = None) -> Parsed:
-    """The request's SamplingParams, checked against the context: prompt + max_tokens must fit."""
+def sampling(body: dict, kind: str, prompt_len: int, max_model_len: int, turn_end: int | None = None,
+             defaults: dict | None = None) -> Parsed:
+    """The request's SamplingParams, checked against the context: prompt + max_tokens must fit. A sampling value
+    the request leaves out comes from `defaults` (the checkpoint's generation_config.json, as vLLM applies it), else
+    OpenAI's (temperature 1, the rest off)."""
     name = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else \
         "max_tokens"
     room = max_model_len - prompt_len
@@ -79,7 +82,7 @@ def sampling(body: dict, kind: str, prompt_len: int, max_model_len: int, turn_en
         raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                             f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
                             "completion). Please reduce the prompt or the completion.", name)
-    values = {k: body[k] for k in SAMPLING if body.get(k) is not None}
+    values = (defaults or {}) | {k: body[k] for k in SAMPLING if body.get(k) is not None}
     values.setdefault("temperature", 1.0)  # OpenAI's default, as vLLM applies it
     if "seed" not in values:
         values["seed"] = uuid.uuid4().int % 2**63
