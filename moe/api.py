@@ -322,7 +322,8 @@ class MoEModel:
         with self._calling():
             counts, entropy, received = self.engine.load_stats()
         placement = self.info.placement or Placement.default(self.config.n_layers, self.config.n_experts, 1)
-        return ExpertLoadReport.of(counts, entropy, received, placement, self.config.top_k, self.config.n_layers)
+        return ExpertLoadReport.of(counts, entropy, received, placement, self.config.top_k, self.config.n_layers,
+                                   self.config.dense_layers)
 
     def track_router_entropy(self, enabled: bool = True) -> None:
         """Sum each router's entropy for `expert_load()` reports (a few kernels per block and step, so off

@@ -179,3 +179,36 @@ def test_router_entropy_only_when_asked_for(ckpt):
         fresh.track_router_entropy()
         fresh.generate([[1, 5, 9]], max_new_tokens=3)
         assert fresh.expert_load().to_json()["mean_router_entropy"] == pytest.approx(entropy, rel=1e-9)
+
+
+def test_a_dense_block_has_no_experts_and_the_others_count_what_transformers_routes(tmp_path):
+    """Qwen3-MoE with a dense block among MoE ones (`mlp_only_layers`): the report leaves that block out of every
+    figure (no unused experts, no CSV rows, no share of the means), and the other blocks count the experts
+    transformers' routers choose."""
+    from tests.test_families import hf_family
+
+    hf = hf_family("qwen3_moe-unnormalised", num_hidden_layers=3)  # 4 experts top-2; block 1 dense
+    hf.save_pretrained(tmp_path / "hf")
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9, 10, 11, 12, 13]])
+    with torch.no_grad():
+        chosen = [r.topk(2, dim=-1).indices.flatten() for r in hf(ids, output_router_logits=True).router_logits]
+    with MoEModel.from_pretrained(tmp_path / "hf") as model:
+        model(ids)
+        report = model.expert_load()
+    routed = [torch.bincount(c, minlength=4).tolist() for c in chosen]
+    assert report.total.tolist() == [routed[0], [0] * 4, routed[1]]
+    data = report.to_json()
+    assert data["dense_blocks"] == [1] and data["routed_tokens"] == ids.numel() and data["unused_experts"] == sum(
+        row.count(0) for row in routed)
+    assert data["imbalance"]["per_block"][1] == {"block": 1, "strategy": "layer[0] / expert", "dense": True}
+    assert "dense: no experts" in report.table().splitlines()[2]
+    report.write(tmp_path / "load")
+    rows = list(csv.DictReader((tmp_path / "load" / "expert_load.csv").open()))
+    assert {r["block"] for r in rows} == {"0", "2"} and len(rows) == 8
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "plan_placement.py"),
+                           str(tmp_path / "load" / "expert_load.json"), "--gpus", "2", "--out",
+                           str(tmp_path / "p.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    predicted = [float(x.split()[-1]) for x in proc.stdout.splitlines()[-2].split(":")[1].split(",")]
+    assert min(predicted) >= 1.0  # a max over a mean, taken over the blocks with experts only

@@ -141,3 +141,12 @@ def test_sigterm_while_the_plan_holds_the_lock_drains_at_the_next_plan():
     scheduler.drain(600.0)  # a second signal never lengthens the drain
     assert scheduler.plan(idle_wait=60).stop  # nothing running: it stops at once, without the idle wait
     assert scheduler.draining_until - time.monotonic() < 5.0 and not scheduler.drain_asks
+
+
+def test_metrics_give_no_expert_series_for_a_dense_block():
+    """A block with no experts (Qwen3-MoE's `mlp_only_layers`) has no `moe_expert_tokens_total` series."""
+    metrics = Metrics()
+    metrics.expert_load, metrics.dense = [[3, 1], [0, 0], [2, 2]], (1,)
+    series = [line for line in metrics.text().splitlines() if line.startswith("moe_expert_tokens_total{")]
+    assert series == [f'moe_expert_tokens_total{{block="{b}",expert="{e}"}} {n}'
+                      for b, e, n in [(0, 0, 3), (0, 1, 1), (2, 0, 2), (2, 1, 2)]]

@@ -25,30 +25,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def read_counts(path: Path) -> tuple[torch.Tensor, Placement | None]:
+def read_counts(path: Path) -> tuple[torch.Tensor, Placement | None, tuple[int, ...]]:
+    """The report's counts, the placement it was measured under, and its blocks without experts."""
     try:
         data = json.loads(path.read_text())
         counts = torch.tensor(data["counts"], dtype=torch.float64)
+        dense = tuple(int(i) for i in data.get("dense_blocks", ()))
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path}: not an expert_load.json report ({e})") from None
     if counts.dim() != 2:
         raise ValueError(f"{path}: 'counts' must be a [blocks][experts] table")
     base = Placement.from_json(data["placement"]) if "placement" in data else None
-    return counts, base
+    return counts, base, dense
 
 
 def _plan(args: argparse.Namespace) -> int:
-    counts, base = read_counts(Path(args.report))
+    counts, base, dense = read_counts(Path(args.report))
     if args.gpus < 1 or args.replicas < 0:
         raise ValueError("--gpus must be >= 1 and --replicas >= 0")
     L, E = counts.shape
     default = Placement.default(L, E, args.gpus)
     before = base if base is not None and base.world_size == args.gpus else default
-    plan = plan_placement(counts, args.gpus, args.replicas, before).validate(L, E, args.gpus)
+    plan = plan_placement(counts, args.gpus, args.replicas, before, dense).validate(L, E, args.gpus)
     print(plan.table())
-    print(f"predicted max/mean rank load (mean over blocks): default {predicted_imbalance(counts, default):.3f}"
-          + (f", current {predicted_imbalance(counts, before):.3f}" if before is not default else "")
-          + f", planned {predicted_imbalance(counts, plan):.3f}")
+    print(f"predicted max/mean rank load (mean over blocks with experts): default "
+          f"{predicted_imbalance(counts, default, dense):.3f}"
+          + (f", current {predicted_imbalance(counts, before, dense):.3f}" if before is not default else "")
+          + f", planned {predicted_imbalance(counts, plan, dense):.3f}")
     plan.save(args.out)
     print(f"wrote {args.out}")
     return 0

@@ -2,7 +2,8 @@
 
 Counts are token copies routed to each expert (row 0 prefill, row 1 decode), gathered across ranks
 once when a report is asked for. A report is written as JSON and CSV, printed as a table, and drawn
-as a heatmap with per-rank bars (matplotlib, optional).
+as a heatmap with per-rank bars (matplotlib, optional). Dense blocks among MoE ones (Qwen2/3-MoE's
+`mlp_only_layers`, DeepSeek's first blocks) have no experts: their rows are zeros the figures leave out.
 """
 
 from __future__ import annotations
@@ -49,16 +50,23 @@ class ExpertLoadReport:
     entropy_sum: float | None  # sum over blocks and routed tokens of the router's entropy (nats); None: untracked
     routed_tokens: int  # tokens routed per block
     received: torch.Tensor | None = None  # [blocks, ranks] copies each rank's experts computed (measured)
+    dense: tuple[int, ...] = ()  # blocks with no experts (one dense MLP)
 
     @classmethod
     def of(cls, counts: torch.Tensor, entropy: torch.Tensor, received: torch.Tensor | None, placement: Placement,
-           top_k: int, blocks: int) -> ExpertLoadReport:
+           top_k: int, blocks: int, dense: tuple[int, ...] = ()) -> ExpertLoadReport:
         """From an engine's load statistics (`load_stats`): the tokens a block routed are its copies over top_k, and
         the entropy, summed only while tracked, is scaled from the tokens it covered to all of them."""
-        tokens = int(counts.sum()) // (top_k * blocks)
+        routing = max(blocks - len(dense), 1)  # the blocks with a router
+        tokens = int(counts.sum()) // (top_k * routing)
         summed, covered = entropy.tolist()
-        entropy_sum = summed / covered * tokens * blocks if covered else None
-        return cls(counts, placement, entropy_sum, tokens, received)
+        entropy_sum = summed / covered * tokens * routing if covered else None
+        return cls(counts, placement, entropy_sum, tokens, received, tuple(dense))
+
+    @property
+    def routed(self) -> list[int]:
+        """The blocks with experts."""
+        return [i for i in range(self.counts.shape[0]) if i not in self.dense]
 
     @property
     def total(self) -> torch.Tensor:
@@ -72,22 +80,24 @@ class ExpertLoadReport:
 
     def to_json(self) -> dict:
         total, ranks = self.total, self.rank_load()
-        blocks = []
+        blocks, routed = [], self.routed
         for i in range(total.shape[0]):
-            blocks.append({"block": i, "strategy": self.placement.strategy(i).describe(),
-                           "experts": imbalance(total[i]), "ranks": imbalance(ranks[i]),
-                           "unused_experts": [e for e in range(total.shape[1]) if total[i, e] == 0]})
+            block = {"block": i, "strategy": self.placement.strategy(i).describe()}
+            blocks.append(block | ({"dense": True} if i in self.dense else {
+                "experts": imbalance(total[i]), "ranks": imbalance(ranks[i]),
+                "unused_experts": [e for e in range(total.shape[1]) if total[i, e] == 0]}))
         return {
             "counts": total.tolist(),
             "counts_prefill": self.counts[:, 0].tolist(),
             "counts_decode": self.counts[:, 1].tolist(),
             "rank_load": [[round(x, 3) for x in row] for row in ranks.tolist()],
             "placement": self.placement.to_json(),
-            "imbalance": {"experts": imbalance(total.reshape(-1)), "ranks": imbalance(ranks.sum(0)),
+            "dense_blocks": list(self.dense),
+            "imbalance": {"experts": imbalance(total[routed].reshape(-1)), "ranks": imbalance(ranks.sum(0)),
                           "per_block": blocks},
-            "unused_experts": sum(len(b["unused_experts"]) for b in blocks),
+            "unused_experts": sum(len(b.get("unused_experts", ())) for b in blocks),
             "mean_router_entropy": None if self.entropy_sum is None else
-            self.entropy_sum / (self.routed_tokens * total.shape[0]) if self.routed_tokens else 0.0,
+            self.entropy_sum / (self.routed_tokens * len(routed)) if self.routed_tokens else 0.0,
             "routed_tokens": self.routed_tokens,
         }
 
@@ -97,6 +107,10 @@ class ExpertLoadReport:
         head = "block " + " ".join(f"e{e:<5}" for e in range(E)) + " | " + " ".join(f"r{r:<6}" for r in range(R))
         lines = [head + " | max/mean(ranks) | attention / experts"]
         for i in range(total.shape[0]):
+            if i in self.dense:  # the columns of a routed block's row, blank
+                lines.append(f"{i:<5} {'dense: no experts':<{7 * E - 1}} | {'':<{8 * R - 1}} | {'':<15} | "
+                             f"{self.placement.strategy(i).describe()}")
+                continue
             cells = " ".join(f"{int(c):<6}" for c in total[i].tolist())
             rcells = " ".join(f"{x:<7.1f}" for x in ranks[i].tolist())
             strategy = self.placement.strategy(i).describe()
@@ -118,7 +132,7 @@ class ExpertLoadReport:
             return written
         from moe.reports.plot import draw_heatmap
 
-        draw_heatmap(self.total, self.rank_load(), out / "expert_load.png")
+        draw_heatmap(self.total, self.rank_load(), out / "expert_load.png", self.dense)
         return [*written, out / "expert_load.png"]
 
     def _csv(self) -> str:
@@ -127,7 +141,7 @@ class ExpertLoadReport:
         buf = io.StringIO()
         w = csv.writer(buf)
         w.writerow(["block", "expert", "ranks", "prefill", "decode", "total"])
-        for i in range(self.counts.shape[0]):
+        for i in self.routed:
             for e in range(self.counts.shape[2]):
                 ranks = " ".join(map(str, self.placement.expert_ranks[i][e]))
                 p, d = int(self.counts[i, 0, e]), int(self.counts[i, 1, e])

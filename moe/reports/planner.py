@@ -39,18 +39,20 @@ def plan_block(loads_E: list[float], world_size: int, replicas: int) -> tuple[tu
 
 
 def plan_placement(counts_LE: torch.Tensor, world_size: int, replicas: int = 0,
-                   base: Placement | None = None) -> Placement:
+                   base: Placement | None = None, dense: tuple[int, ...] = ()) -> Placement:
     """Keep the block owners and strategies of `base` (default: balanced ranges); re-place the experts of every
-    block whose experts are placed whole (experts split by `tensor` stay with their groups)."""
+    block whose experts are placed whole (experts split by `tensor` stay with their groups; `dense` blocks have
+    none to place)."""
     L, E = counts_LE.shape
     base = base if base is not None and base.world_size == world_size else Placement.default(L, E, world_size)
-    whole = set(base.whole_experts)
+    whole = set(base.whole_experts) - set(dense)
     experts = tuple(plan_block([float(x) for x in counts_LE[i].tolist()], world_size, replicas) if i in whole
                     else base.expert_ranks[i] for i in range(L))
     return Placement(world_size, base.embed_rank, base.block_ranks, base.head_rank, experts, base.blocks)
 
 
-def predicted_imbalance(counts_LE: torch.Tensor, placement: Placement) -> float:
-    """Mean over blocks of max/mean rank load: each block's exchange waits for its busiest rank."""
+def predicted_imbalance(counts_LE: torch.Tensor, placement: Placement, dense: tuple[int, ...] = ()) -> float:
+    """Mean over the blocks with experts of max/mean rank load: each block's exchange waits for its busiest rank."""
     per_block = rank_loads(counts_LE, placement)
-    return sum(imbalance(row)["max_over_mean"] for row in per_block) / per_block.shape[0]
+    rows = [row for i, row in enumerate(per_block) if i not in dense]
+    return sum(imbalance(row)["max_over_mean"] for row in rows) / max(len(rows), 1)

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 
-def draw_heatmap(counts_LE: torch.Tensor, ranks_LR: torch.Tensor, path: Path) -> None:
+def draw_heatmap(counts_LE: torch.Tensor, ranks_LR: torch.Tensor, path: Path, dense: tuple[int, ...] = ()) -> None:
+    """`dense`: blocks without experts, left blank."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -17,13 +18,17 @@ def draw_heatmap(counts_LE: torch.Tensor, ranks_LR: torch.Tensor, path: Path) ->
     L, E = counts_LE.shape
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(4 + 0.5 * E + 3, 1.5 + 0.45 * L),
                                  gridspec_kw={"width_ratios": [max(E, 2), 3]})
-    im = ax.imshow(counts_LE.numpy(), aspect="auto", cmap="viridis")
+    shown = counts_LE.double().numpy().copy()
+    shown[list(dense)] = float("nan")  # drawn blank
+    im = ax.imshow(shown, aspect="auto", cmap="viridis")
     ax.set_xlabel("expert")
     ax.set_ylabel("block")
     ax.set_xticks(range(E))
     ax.set_yticks(range(L))
     ax.set_title("token copies per expert")
-    for i in range(L):
+    for i in dense:
+        ax.text((E - 1) / 2, i, "dense: no experts", ha="center", va="center", fontsize=7)
+    for i in (i for i in range(L) if i not in dense):
         for e in range(E):
             v = int(counts_LE[i, e])
             ax.text(e, i, str(v), ha="center", va="center", fontsize=7,

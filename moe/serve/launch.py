@@ -78,6 +78,7 @@ def serve(options: ServeOptions) -> int:
         if rank == 0:
             scheduler = Scheduler(options.max_num_seqs, options.max_queue, options.token_budget, model.eos_ids,
                                   model.tokenizer, Metrics())
+            scheduler.metrics.dense = model.config.dense_layers
             signal.signal(signal.SIGTERM, lambda *_: scheduler.drain(options.drain_s))
             signal.signal(signal.SIGINT, lambda *_: scheduler.drain(0))
             state.scheduler = scheduler  # /health turns 200

@@ -41,6 +41,7 @@ class Metrics:
         self.ttft, self.itl = Histogram(), Histogram()
         self.batch = Histogram((1, 2, 4, 8, 16, 32, 64, 128, 256))
         self.expert_load = None  # [blocks, experts] token copies routed since start, refreshed by the engine loop
+        self.dense: tuple[int, ...] = ()  # blocks with no experts (a dense MLP): no series
 
     def token(self, request, now: float) -> None:
         with self.lock:
@@ -86,5 +87,5 @@ class Metrics:
                 lines += ["# HELP moe_expert_tokens_total Token copies routed to each expert of each block.",
                           "# TYPE moe_expert_tokens_total counter"]
                 lines += [f'moe_expert_tokens_total{{block="{b}",expert="{e}"}} {int(n)}'
-                          for b, row in enumerate(self.expert_load) for e, n in enumerate(row)]
+                          for b, row in enumerate(self.expert_load) if b not in self.dense for e, n in enumerate(row)]
         return "\n".join(lines) + "\n"
