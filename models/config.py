@@ -212,6 +212,9 @@ class ModelConfig:
         )
 
     def to_mistral(self) -> dict[str, Any]:
+        if self.family not in ("mixtral", "mistral", "llama"):
+            raise ConfigError(f"{self.family} has no Mistral consolidated layout (params.json holds Mixtral, Mistral "
+                              "and Llama models): save it as a Hugging Face checkpoint")
         if self.rope_scaling.kind != "default":
             raise ConfigError(f"rope scaling {self.rope_scaling.kind!r} has no params.json field: save it as a "
                               "Hugging Face checkpoint")

@@ -19,6 +19,7 @@ import torch
 from models.config import ModelConfig
 from models.kernels import native
 from moe.chat.template import end_of_turn_id
+from moe.checkpoint.files import beside_weights
 from moe.checkpoint.formats import detect
 from moe.checkpoint.generation_config import GenerationDefaults, read_generation_config
 from moe.checkpoint.loader import INT8, parse_precision
@@ -46,7 +47,8 @@ from moe.workers.rank import ShardSpec, load_report
 class MoEModel:
     def __init__(self, engine: Engine, config: ModelConfig, tokenizer: Tokenizer | None, info: ModelInfo) -> None:
         self.engine, self.config, self._tokenizer, self.info = engine, config, tokenizer, info
-        self.generation_defaults = GenerationDefaults()  # the checkpoint's generation_config.json, once loaded
+        # once loaded: the checkpoint's generation_config.json, and its directory (a save copies its tokenizer files)
+        self.generation_defaults, self.checkpoint_dir = GenerationDefaults(), None
         self._lock = threading.Lock()  # one call at a time: the ranks run one request in lock-step
         self._broken = ""  # under torchrun: why this rank's model can no longer be used
         self._thread = ThreadWatch(info.launch != "processes" and str(getattr(engine, "device", "")) == "cpu")
@@ -110,7 +112,7 @@ class MoEModel:
                 spec = ShardSpec(str(path), dtype_name, plan.to_json(), progress, cpu_kernels, kind, timeout_s,
                                  exchange, ranks_compile)
                 model = cls._start_ranks(spec, cfg, tokenizer, base, gpus, plan, master_port, threads)
-        model.generation_defaults = defaults
+        model.generation_defaults, model.checkpoint_dir = defaults, Path(path)
         return model
 
     @classmethod
@@ -291,10 +293,10 @@ class MoEModel:
 
     def save_pretrained(self, path: str | Path, max_shard_size: str | int | None = "200MB",
                         progress: bool = False) -> list[dict]:
-        """Write a Hugging Face directory (safetensors + index, config.json, tokenizer) from wherever the weights
-        are: each rank writes the tensors it holds, nothing is gathered. Atomic: the directory appears complete
-        or not at all. Returns, per rank, the files it wrote and their bytes. `progress`: a bar of the bytes
-        rank 0 writes, on a terminal."""
+        """Write a Hugging Face directory (safetensors + index, config.json, the tokenizer and generation_config.json
+        files it was loaded with) from wherever the weights are: each rank writes the tensors it holds, nothing is
+        gathered. Atomic: the directory appears complete or not at all. Returns, per rank, the files it wrote and
+        their bytes. `progress`: a bar of the bytes rank 0 writes, on a terminal."""
         from moe.checkpoint.convert import parse_size
         from moe.checkpoint.writer import refuse_non_empty
 
@@ -304,9 +306,8 @@ class MoEModel:
         path = Path(path)
         refuse_non_empty(path)  # here, before the ranks start writing: a user error must not stop them
         size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
-        tokenizer = str(self._tokenizer.path) if self._tokenizer is not None else None
         with self._calling():
-            return self.engine.save(str(path.resolve()), size, tokenizer, progress)
+            return self.engine.save(str(path.resolve()), size, beside_weights(self.checkpoint_dir), progress)
 
     def memory(self) -> list[MemoryUse]:
         """Each rank's memory in MiB: host peak resident, and on a GPU allocated, reserved and peak."""
@@ -322,8 +323,7 @@ class MoEModel:
         with self._calling():
             counts, entropy, received = self.engine.load_stats()
         placement = self.info.placement or Placement.default(self.config.n_layers, self.config.n_experts, 1)
-        return ExpertLoadReport.of(counts, entropy, received, placement, self.config.top_k, self.config.n_layers,
-                                   self.config.dense_layers)
+        return ExpertLoadReport.of(counts, entropy, received, placement, self.config)
 
     def track_router_entropy(self, enabled: bool = True) -> None:
         """Sum each router's entropy for `expert_load()` reports (a few kernels per block and step, so off

@@ -36,9 +36,8 @@ def random_state(cfg: ModelConfig, seed: int = 0, std: float = 0.15) -> dict[str
 
 
 def write_checkpoint(path: Path, cfg: ModelConfig, fmt: str = HF, seed: int = 0,
-                     max_shard_bytes: int | None = None, tokenizer: Path | None = None) -> Path:
-    return save_checkpoint(random_state(cfg, seed), cfg, path, fmt=fmt, tokenizer=tokenizer,
-                           max_shard_bytes=max_shard_bytes)
+                     max_shard_bytes: int | None = None) -> Path:
+    return save_checkpoint(random_state(cfg, seed), cfg, path, fmt=fmt, max_shard_bytes=max_shard_bytes)
 
 
 def hf_model(kind: str = "mixtral", seed: int = 0, **kwargs):

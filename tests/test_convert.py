@@ -73,3 +73,15 @@ def test_interrupted_save_leaves_no_checkpoint(source, tmp_path, monkeypatch):
         convert_checkpoint(source, tmp_path / "out", "hf", max_shard_bytes=50_000)
     assert not (tmp_path / "out").exists()
     assert list(tmp_path.iterdir()) == []  # the temporary directory is gone too
+
+
+def test_a_family_mistrals_layout_cannot_hold_is_refused_in_one_line_before_writing(tmp_path):
+    from tests.test_families import hf_family
+
+    hf_family("qwen3_moe").save_pretrained(tmp_path / "qwen3")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert.py"), "--ckpt", str(tmp_path / "qwen3"),
+                           "--out", str(tmp_path / "out"), "--format", "mistral"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "qwen3_moe has no Mistral consolidated layout" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["qwen3"]  # nothing written, not even a partial directory

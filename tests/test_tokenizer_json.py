@@ -5,13 +5,16 @@ splits a UTF-8 character, and every EOS of generation_config.json stops a sequen
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from moe import MoEModel
 from moe.tokenizer import HFTokenizer, IncrementalDecoder
-from tests.checkpoints import tiny_config, write_checkpoint
+from tests.checkpoints import ROOT, tiny_config, write_checkpoint
 
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want "
         "of a wife. Café, naïve, 東京, 😀! ") * 20
@@ -133,3 +136,32 @@ def test_a_long_stream_adds_up_to_the_tokenizers_text_in_short_windows(ckpt, kin
     context = prompt[-IncrementalDecoder.CONTEXT:]
     assert "".join(pieces) == whole.decode(context + ids)[len(whole.decode(context)):]
     assert counting.longest <= 24
+
+
+@pytest.mark.parametrize("how", ["save_pretrained", "convert", "shard"])
+def test_a_save_carries_the_tokenizer_and_generation_files_as_they_were(ckpt, how, tmp_path):
+    """`save_pretrained`, `scripts/convert.py` and `scripts/shard.py` copy the files beside the weights (the
+    tokenizer.json, its config, the chat template, generation_config.json); transformers' tokenizer reads the copy
+    as the original, and so does ours."""
+    transformers = pytest.importorskip("transformers")
+    path, _, _ = ckpt
+    src, out = tmp_path / "src", tmp_path / "out"
+    shutil.copytree(path, src)
+    (src / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.7,
+                                                            "eos_token_id": [2, 3]}))
+    (src / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    if how == "save_pretrained":
+        with MoEModel.from_pretrained(src) as model:
+            model.save_pretrained(out)
+    else:
+        done = subprocess.run([sys.executable, str(ROOT / "scripts" / f"{how}.py"), "--ckpt", str(src), "--out",
+                               str(out), "--quiet"], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    theirs, before = transformers.AutoTokenizer.from_pretrained(out), transformers.AutoTokenizer.from_pretrained(src)
+    messages = [{"role": "user", "content": "Café 東京"}]
+    assert theirs.apply_chat_template(messages) == before.apply_chat_template(messages)
+    saved = MoEModel.from_pretrained(out)
+    assert saved.tokenizer.encode(TEXT[:300]) == theirs(TEXT[:300])["input_ids"]
+    assert saved.generation_defaults.sampling == {"temperature": 0.7} and 3 in saved.eos_ids

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from moe.checkpoint.files import beside_weights
 from moe.checkpoint.writer import save_checkpoint
 from moe.engine.build import build_model
 from moe.progress import Progress
@@ -24,7 +25,5 @@ def convert_checkpoint(src: str | Path, out: str | Path, fmt: str, dtype: str | 
                        max_shard_bytes: int | None = None, progress: Progress | None = None) -> Path:
     """Load `src` on one rank (in `dtype`, default its own) and write it to `out` in layout `fmt`."""
     model, ckpt, _ = build_model(src, dtype)
-    tokenizer = Path(src) / "tokenizer.model"
-    return save_checkpoint(model.state_dict(), ckpt.config, out, fmt=fmt,
-                           tokenizer=tokenizer if tokenizer.exists() else None, max_shard_bytes=max_shard_bytes,
-                           progress=progress)
+    return save_checkpoint(model.state_dict(), ckpt.config, out, fmt=fmt, beside=beside_weights(src),
+                           max_shard_bytes=max_shard_bytes, progress=progress)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,7 +172,7 @@ def shared_partial_dir(out_dir: Path, ctx: DistContext) -> Path:
 
 
 def save_distributed(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Path, ctx: DistContext,
-                     max_shard_bytes: int | None = None, tokenizer: str | Path | None = None,
+                     max_shard_bytes: int | None = None, beside: Sequence[str | Path] = (),
                      progress: Progress | None = None) -> dict:
     """Collective: every rank calls it. Returns {"files": [this rank's files], "bytes": bytes written here}.
 
@@ -210,7 +211,7 @@ def save_distributed(model: torch.nn.Module, cfg: ModelConfig, out_dir: str | Pa
         if ctx.rank == 0:
             try:
                 write_index(tmp, {k: v for m, *_ in maps for k, v in m.items()}, sum(m[1] for m in maps))
-                finish_checkpoint(tmp, out_dir, cfg, next(m[2] for m in maps if m[2] is not None), tokenizer)
+                finish_checkpoint(tmp, out_dir, cfg, next(m[2] for m in maps if m[2] is not None), beside)
             except OSError as e:
                 failure = f"{out_dir}: cannot finish the checkpoint ({e.strerror or e})"
         failure = ctx.broadcast_object(failure, 0)

@@ -22,6 +22,20 @@ class CheckpointError(ValueError):
     """A checkpoint cannot be read; the message names the file or tensor and the cause."""
 
 
+# What a checkpoint keeps beside its weights and a save or a conversion carries over as it is: the tokenizer of
+# either kind with its settings and chat template (transformers reads vocab.json and merges.txt when tokenizer.json
+# is missing), and the generation defaults.
+BESIDE_WEIGHTS = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                  "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
+                  "generation_config.json")
+
+
+def beside_weights(directory: str | Path | None) -> list[Path]:
+    """The files of `BESIDE_WEIGHTS` that `directory` holds."""
+    d = Path(directory) if directory is not None else None
+    return [d / name for name in BESIDE_WEIGHTS if (d / name).is_file()] if d is not None else []
+
+
 # Bytes per element of each safetensors dtype code (the library's own list).
 ITEM_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
               "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}

@@ -16,9 +16,10 @@ import torch
 
 from models.transformer import Transformer
 from moe.checkpoint.encodings import Derived, catalog
-from moe.checkpoint.files import index_tensors
+from moe.checkpoint.files import beside_weights, index_tensors
 from moe.checkpoint.formats import (
     HF,
+    dense_layer,
     detect,
     external_name,
     is_stacked_expert,
@@ -55,6 +56,8 @@ def plan_moves(fmt: str, cfg) -> list[Move]:
         if name == "output.weight" and cfg.tie_embeddings:
             continue
         if is_stacked_expert(name):
+            if dense_layer(cfg, name):
+                continue  # a dense layer among MoE ones holds no routed experts
             moves += [Move(external_name(HF, cfg, name, e), external_name(fmt, cfg, name, e), None)
                       for e in range(cfg.n_experts)]
             continue
@@ -135,8 +138,7 @@ def reshard(src: str | Path, out: str | Path, max_shard_bytes: int | None,
                 files[fname] = sorted(set().union(*(need.get(m.dst, set()) for m in shard)))
         write_index(tmp, weight_map, total)
         dtype = str(SAFETENSORS_DTYPES[tensors[moves[0].src].dtype]).removeprefix("torch.")
-        tokenizer = src / "tokenizer.model"
-        finish_checkpoint(tmp, out, cfg, dtype, tokenizer if tokenizer.exists() else None)
+        finish_checkpoint(tmp, out, cfg, dtype, beside_weights(src))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -104,10 +105,12 @@ def write_hf_shards(tensors: dict[str, torch.Tensor], directory: Path, max_bytes
 
 
 def save_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path, fmt: str = HF,
-                    tokenizer: str | Path | None = None, max_shard_bytes: int | None = None,
+                    beside: Sequence[str | Path] = (), max_shard_bytes: int | None = None,
                     progress: Progress | None = None) -> Path:
-    """Write safetensors plus config (and tokenizer) to `out_dir`, atomically."""
+    """Write safetensors plus config (and the files `beside` the weights: tokenizer, generation defaults) to
+    `out_dir`, atomically."""
     out_dir = Path(out_dir)
+    params = cfg.to_mistral() if fmt == MISTRAL else None  # a config the layout cannot hold: refused before writing
     tmp = make_partial_dir(out_dir)
     try:
         tensors = restack(to_external({k: v.detach().cpu() for k, v in state.items()}, cfg, fmt))
@@ -115,11 +118,11 @@ def save_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: s
             progress.start(sum(nbytes(tensors).values()))
         if fmt == MISTRAL:
             write_file(tensors, tmp / "consolidated.safetensors", progress)
-            (tmp / "params.json").write_text(json.dumps(cfg.to_mistral(), indent=2) + "\n")
-            finish_checkpoint(tmp, out_dir, None, None, tokenizer)
+            (tmp / "params.json").write_text(json.dumps(params, indent=2) + "\n")
+            finish_checkpoint(tmp, out_dir, None, None, beside)
         else:
             write_hf_shards(tensors, tmp, max_shard_bytes, progress)
-            finish_checkpoint(tmp, out_dir, cfg, dtype_name(tensors), tokenizer)
+            finish_checkpoint(tmp, out_dir, cfg, dtype_name(tensors), beside)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -161,12 +164,13 @@ def remove_stale_partials(out_dir: Path) -> list[Path]:
 
 
 def finish_checkpoint(tmp: Path, out_dir: Path, cfg: ModelConfig | None, dtype: str | None,
-                      tokenizer: str | Path | None) -> None:
-    """Write config.json (HF) and the tokenizer, then rename the finished directory into place."""
+                      beside: Sequence[str | Path] = ()) -> None:
+    """Write config.json (HF) and copy the files `beside` the weights (each by its own name), then rename the
+    finished directory into place."""
     if cfg is not None:
         (tmp / "config.json").write_text(json.dumps(cfg.to_hf() | {"dtype": dtype}, indent=2) + "\n")
-    if tokenizer is not None:
-        shutil.copyfile(tokenizer, tmp / "tokenizer.model")
+    for f in map(Path, beside):
+        shutil.copyfile(f, tmp / f.name)
     for f in tmp.iterdir():
         f.chmod(0o644)  # safetensors writes owner-only files; a checkpoint is meant to be shared
     if out_dir.exists():

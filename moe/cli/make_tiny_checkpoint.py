@@ -45,7 +45,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tok = Path(tmp) / "tokenizer.model"
         train_tokenizer(args.text, args.vocab_size, tok)
-        save_checkpoint(random_state(cfg, args.seed), cfg, args.out, tokenizer=tok)
+        save_checkpoint(random_state(cfg, args.seed), cfg, args.out, beside=[tok])
     print(f"wrote {args.out}")
 
 

@@ -9,6 +9,7 @@ Every method returns the same value on every rank.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -38,7 +39,7 @@ class Engine(Protocol):
     def set_round_robin(self, enabled: bool) -> None: ...
     def track_entropy(self, enabled: bool) -> None: ...
 
-    def save(self, out: str, max_shard_bytes: int | None, tokenizer: str | None,
+    def save(self, out: str, max_shard_bytes: int | None, beside: list[Path],
              progress: bool = False) -> list[dict]:
         """Write a Hugging Face directory; per rank, the files it wrote and their bytes. `progress`: rank 0
         shows the bytes it has written."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -124,9 +125,9 @@ class LocalEngine:
         if self.ahead is not None:
             self.ahead.unbind()
 
-    def save(self, out: str, max_shard_bytes: int | None, tokenizer: str | None,
+    def save(self, out: str, max_shard_bytes: int | None, beside: list[Path],
              progress: bool = False) -> list[dict]:
-        return [save_distributed(self.model, self.model.cfg, out, single_process(), max_shard_bytes, tokenizer,
+        return [save_distributed(self.model, self.model.cfg, out, single_process(), max_shard_bytes, beside,
                                  Progress("saving", unit="B", enabled=progress))]
 
     def memory(self) -> list[MemoryUse]:

@@ -4,6 +4,7 @@ which runs it on its `ShardedEngine`; rank 0's answer comes back (every rank com
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -46,9 +47,9 @@ class RemoteEngine:
     def track_entropy(self, enabled: bool) -> None:
         self._call("track_entropy", enabled)
 
-    def save(self, out: str, max_shard_bytes: int | None, tokenizer: str | None,
+    def save(self, out: str, max_shard_bytes: int | None, beside: list[Path],
              progress: bool = False) -> list[dict]:
-        return self._call("save", out, max_shard_bytes, tokenizer, progress)
+        return self._call("save", out, max_shard_bytes, beside, progress)
 
     def memory(self) -> list[MemoryUse]:
         return self._call("memory")

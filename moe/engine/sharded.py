@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -286,10 +287,10 @@ class ShardedEngine:
     def track_entropy(self, enabled: bool) -> None:
         track_entropy(self.model, enabled)
 
-    def save(self, out: str, max_shard_bytes: int | None, tokenizer: str | None,
+    def save(self, out: str, max_shard_bytes: int | None, beside: list[Path],
              progress: bool = False) -> list[dict]:
         shown = Progress("saving", unit="B", enabled=progress and self.rank == 0)
-        mine = save_distributed(self.model, self.model.cfg, out, self.dist, max_shard_bytes, tokenizer, shown)
+        mine = save_distributed(self.model, self.model.cfg, out, self.dist, max_shard_bytes, beside, shown)
         return self.dist.all_gather_object(mine)
 
     def memory(self) -> list[MemoryUse]:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from models.config import ModelConfig
 from moe.parallel.placement import Placement
 
 
@@ -54,14 +55,14 @@ class ExpertLoadReport:
 
     @classmethod
     def of(cls, counts: torch.Tensor, entropy: torch.Tensor, received: torch.Tensor | None, placement: Placement,
-           top_k: int, blocks: int, dense: tuple[int, ...] = ()) -> ExpertLoadReport:
+           cfg: ModelConfig) -> ExpertLoadReport:
         """From an engine's load statistics (`load_stats`): the tokens a block routed are its copies over top_k, and
         the entropy, summed only while tracked, is scaled from the tokens it covered to all of them."""
-        routing = max(blocks - len(dense), 1)  # the blocks with a router
-        tokens = int(counts.sum()) // (top_k * routing)
+        routing = max(cfg.n_layers - len(cfg.dense_layers), 1)  # the blocks with a router
+        tokens = int(counts.sum()) // (cfg.top_k * routing)
         summed, covered = entropy.tolist()
         entropy_sum = summed / covered * tokens * routing if covered else None
-        return cls(counts, placement, entropy_sum, tokens, received, tuple(dense))
+        return cls(counts, placement, entropy_sum, tokens, received, tuple(cfg.dense_layers))
 
     @property
     def routed(self) -> list[int]:

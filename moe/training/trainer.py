@@ -153,7 +153,7 @@ def train(job: TrainJob, ctx: DistContext) -> dict:
     say(ctx, f"validation (all {len(data.all_windows)} windows): {final.nats_per_token:.4f} nats/token, "
              f"{final.bits_per_byte:.4f} bits/byte")
     model.eval()
-    save_distributed(model, cfg, job.out, ctx, tokenizer=Path(job.corpus) / "tokenizer.model")
+    save_distributed(model, cfg, job.out, ctx, beside=[Path(job.corpus) / "tokenizer.model"])
     steps = len(history)
     summary = {"steps": steps, "tokens_seen": steps * s.batch_size * s.seq_len, "train_seconds": round(train_seconds),
                "ranks": ctx.world_size, "threads_per_rank": job.threads, "settings": asdict(s),
