@@ -155,6 +155,17 @@ def test_chat_completions_through_the_template(chat_server):
     assert server.post("/v1/chat/completions", {"messages": messages}).status_code == 401  # no key
 
 
+def test_an_empty_prompt_of_a_tokenizer_without_bos_is_refused_and_the_server_goes_on(chat_server):
+    """The chat server's tokenizer adds no BOS: an empty text is no tokens at all (vLLM: 400 too)."""
+    server, path = chat_server
+    headers = {"Authorization": "Bearer secret"}
+    for body in ({"prompt": ""}, {"prompt": ["And", ""]}):
+        response = server.post("/v1/completions", body | {"max_tokens": 3}, headers=headers)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
+    good = server.post("/v1/completions", {"prompt": "And", "max_tokens": 2}, headers=headers)
+    assert good.status_code == 200 and httpx.get(server.url + "/health").status_code == 200
+
+
 def test_a_request_without_sampling_values_takes_generation_configs(chat_server):
     """As vLLM serves by default: what a request leaves out comes from generation_config.json (here temperature 0.7
     and top_k 5), what it gives wins (top_p), and OpenAI's defaults fill the rest."""

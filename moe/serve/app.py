@@ -137,6 +137,8 @@ class OpenAIServer:
     async def run(self, request: HttpRequest, kind: str, body: dict, prompts: list[list[int]], turn_end) -> Response:
         if self.state.scheduler is None:
             raise ApiError(503, "the model is still loading", kind="ServiceUnavailable", headers={"Retry-After": "5"})
+        if not all(prompts):  # an empty text where the tokenizer adds no BOS: nothing for the model to continue
+            raise ApiError(400, "the prompt is empty: it has no tokens", "messages" if kind == "chat" else "prompt")
         parsed = [protocol.sampling(body, kind, len(p), self.state.max_model_len, turn_end, self.state.defaults)
                   for p in prompts]
         loop, events, submitted = asyncio.get_running_loop(), asyncio.Queue(), []
