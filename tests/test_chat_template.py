@@ -168,3 +168,22 @@ def test_generation_tags_and_strftime_render_as_in_transformers(tmp_path):
     messages = CONVERSATION[1:3]
     assert (ours.tokenizer.apply_chat_template(messages, tokenize=False)
             == theirs.apply_chat_template(messages, tokenize=False))
+
+
+# Content as Qwen's templates read it: a string, or OpenAI's list of parts looped over
+PARTS_LOOP = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}"
+              "{% else %}{% for part in m['content'] %}[{{ part.text }}]{% endfor %}{% endif %}<|im_end|>\n"
+              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_content_parts_are_joined_for_a_template_of_strings_and_kept_for_one_that_loops_over_them():
+    """What vLLM's server does with OpenAI's content parts (its "string" and "openai" content formats)."""
+    from moe.chat.template import takes_content_parts, text_content
+
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Who is"}, {"type": "text", "text": "Emma?"}]}]
+    assert not takes_content_parts(CHATML) and takes_content_parts(PARTS_LOOP)
+    assert text_content(parts, CHATML) == [{"role": "user", "content": "Who is\nEmma?"}]
+    assert text_content(parts, PARTS_LOOP) == parts
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(ValueError, match="message 0: a content part of type 'image_url' is not supported"):
+        text_content(image, CHATML)

@@ -155,6 +155,22 @@ def test_chat_completions_through_the_template(chat_server):
     assert server.post("/v1/chat/completions", {"messages": messages}).status_code == 401  # no key
 
 
+def test_content_parts_read_as_vllm_reads_them(chat_server):
+    """OpenAI's list of content parts: text parts joined by a newline for this template, which prints a string
+    (`moe.chat.template.text_content`); an image part is refused by name."""
+    server, path = chat_server
+    client = server.client(api_key="secret")
+    parts = [{"type": "text", "text": "Who is"}, {"type": "text", "text": "Emma?"}]
+    got = client.chat.completions.create(model=path.name, messages=[{"role": "user", "content": parts}],
+                                         max_tokens=8, temperature=0)
+    with MoEModel.from_pretrained(path) as model:
+        want = model.chat([{"role": "user", "content": "Who is\nEmma?"}], max_new_tokens=8, temperature=0)
+    assert got.choices[0].message.content == str(want) and got.usage.prompt_tokens == want.prompt_tokens
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]
+    response = server.post("/v1/chat/completions", {"messages": image}, headers={"Authorization": "Bearer secret"})
+    assert response.status_code == 400 and "'image_url' is not supported" in response.json()["error"]["message"]
+
+
 def test_an_empty_prompt_of_a_tokenizer_without_bos_is_refused_and_the_server_goes_on(chat_server):
     """The chat server's tokenizer adds no BOS: an empty text is no tokens at all (vLLM: 400 too)."""
     server, path = chat_server

@@ -135,3 +135,39 @@ def end_of_turn_id(tokenizer, source: str) -> int | None:
     tail = end_of_turn_text(source, tokenizer.special_texts).strip()
     ids = tokenizer.encode_special(tail) if tail else []
     return ids[0] if ids and tokenizer.is_special(ids[0]) else None
+
+
+@functools.lru_cache(maxsize=8)
+def takes_content_parts(source: str) -> bool:
+    """The template loops over a message's content, so it reads OpenAI's list of parts itself (Qwen's do); else it
+    prints the content as a string. vLLM tells the two apart the same way, from the template's syntax tree."""
+    import jinja2
+
+    def is_content(node) -> bool:
+        return (isinstance(node, jinja2.nodes.Getattr) and node.attr == "content") or (
+            isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const)
+            and node.arg.value == "content")
+
+    tree = compiled(source).environment.parse(source)  # the rendering environment: its tags parse
+    return any(is_content(loop.iter) for loop in tree.find_all(jinja2.nodes.For))
+
+
+def text_content(messages: list, source: str) -> list:
+    """OpenAI messages whose content is a list of parts, made what the template reads, as vLLM serves them: text
+    parts joined by newlines where the template prints a string, the parts kept where it loops over them. A part
+    that is not text (an image, audio) is refused: these models read text."""
+    check_messages(messages)
+    keep = takes_content_parts(source)
+    out = []
+    for i, m in enumerate(messages):
+        parts = m.get("content")
+        if isinstance(parts, list):
+            for part in parts:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(f"message {i}: a content part of type {kind!r} is not supported (the model "
+                                     "reads text: parts {'type': 'text', 'text': ...})")
+            m = m | {"content": [{"type": "text", "text": p["text"]} for p in parts] if keep
+                     else "\n".join(p["text"] for p in parts)}
+        out.append(m)
+    return out

@@ -15,7 +15,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from moe.chat.template import NoChatTemplate, end_of_turn_id
+from moe.chat.template import NoChatTemplate, end_of_turn_id, text_content
 from moe.serve import protocol
 from moe.serve.protocol import ApiError, log
 from moe.serve.scheduler import QueueFull, Request, Scheduler
@@ -111,8 +111,9 @@ class OpenAIServer:
 
     def chat_ids(self, body: dict) -> list[int]:
         try:
-            return self.state.tokenizer.apply_chat_template(body.get("messages"), add_generation_prompt=True,
-                                                       return_dict=False, **(body.get("chat_template_kwargs") or {}))
+            messages = text_content(body.get("messages"), self.state.tokenizer.chat_template())
+            return self.state.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False,
+                                                            **(body.get("chat_template_kwargs") or {}))
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
 
