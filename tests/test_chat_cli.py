@@ -120,3 +120,15 @@ def test_the_settings_line_names_generation_configs_defaults_and_the_reply_follo
         want = model.chat([{"role": "user", "content": "Who is Emma?"}], max_new_tokens=6, seed=3, temperature=0.7,
                           top_p=0.5)
     assert done.stdout == f"{want}\n"
+
+
+def test_chat_template_kwargs_reach_the_template(ckpt):
+    done = subprocess.run([*CHAT, "--ckpt", str(ckpt), *FLAGS, "--chat-template-kwargs", '{"enable_thinking": false}'],
+                          input="Who is Emma?\n", capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    messages = [{"role": "user", "content": "Who is Emma?"}]
+    with MoEModel.from_pretrained(ckpt) as model:
+        want = model.chat(messages, max_new_tokens=6, temperature=0, template_kwargs={"enable_thinking": False})
+        assert model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False) != \
+            model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)  # the switch changes the prompt
+    assert done.stdout == f"{want}\n"

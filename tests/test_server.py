@@ -128,13 +128,14 @@ def test_raw_http_errors_health_models_tokenize(server, local):
 
 
 GENERATION_CONFIG = {"do_sample": True, "temperature": 0.7, "top_k": 5}
+NO_THINKING = {"enable_thinking": False}  # the chat server's --chat-template-kwargs
 
 
 @pytest.fixture(scope="module")
 def chat_server(tmp_path_factory):
     path = checkpoint(tmp_path_factory.mktemp("served-chat"), template_config=CHATML)
     (path / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
-    with Server(path, "--api-key", "secret") as s:
+    with Server(path, "--api-key", "secret", "--chat-template-kwargs", '{"enable_thinking": false}') as s:
         yield s, path
 
 
@@ -142,7 +143,7 @@ def test_chat_completions_through_the_template(chat_server):
     server, path = chat_server
     messages = [{"role": "user", "content": "Who is Emma?"}]
     with MoEModel.from_pretrained(path) as model:
-        want = model.chat(messages, max_new_tokens=10, temperature=0)
+        want = model.chat(messages, max_new_tokens=10, temperature=0, template_kwargs=NO_THINKING)
     client = server.client(api_key="secret")
     got = client.chat.completions.create(model=path.name, messages=messages, max_tokens=10, temperature=0,
                                          logprobs=True, top_logprobs=2)
@@ -155,6 +156,23 @@ def test_chat_completions_through_the_template(chat_server):
     assert server.post("/v1/chat/completions", {"messages": messages}).status_code == 401  # no key
 
 
+def test_chat_template_kwargs_default_from_the_command_line_and_the_requests_win(chat_server):
+    server, path = chat_server
+    headers = {"Authorization": "Bearer secret"}
+    messages = [{"role": "user", "content": "Who is Emma?"}]
+    tokenizer = MoEModel.from_pretrained(path).tokenizer
+    for given, thinking in (({}, False), ({"chat_template_kwargs": {"enable_thinking": True}}, True)):
+        got = server.post("/tokenize", {"messages": messages} | given, headers=headers).json()["tokens"]
+        assert got == tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False,
+                                                    enable_thinking=thinking)
+    for bad, why in (("x", "must be an object"), ([1], "must be an object"),
+                     ({"messages": []}, "may not set messages")):
+        response = server.post("/v1/chat/completions", {"messages": messages, "chat_template_kwargs": bad},
+                               headers=headers)
+        assert response.status_code == 400 and why in response.json()["error"]["message"], response.text
+        assert response.json()["error"]["param"] == "chat_template_kwargs"
+
+
 def test_content_parts_read_as_vllm_reads_them(chat_server):
     """OpenAI's list of content parts: text parts joined by a newline for this template, which prints a string
     (`moe.chat.template.text_content`); an image part is refused by name."""
@@ -164,7 +182,8 @@ def test_content_parts_read_as_vllm_reads_them(chat_server):
     got = client.chat.completions.create(model=path.name, messages=[{"role": "user", "content": parts}],
                                          max_tokens=8, temperature=0)
     with MoEModel.from_pretrained(path) as model:
-        want = model.chat([{"role": "user", "content": "Who is\nEmma?"}], max_new_tokens=8, temperature=0)
+        want = model.chat([{"role": "user", "content": "Who is\nEmma?"}], max_new_tokens=8, temperature=0,
+                          template_kwargs=NO_THINKING)
     assert got.choices[0].message.content == str(want) and got.usage.prompt_tokens == want.prompt_tokens
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]
     response = server.post("/v1/chat/completions", {"messages": image}, headers={"Authorization": "Bearer secret"})
@@ -191,9 +210,11 @@ def test_a_request_without_sampling_values_takes_generation_configs(chat_server)
     got = [client.chat.completions.create(model=path.name, messages=messages, max_tokens=12, seed=seed, top_p=0.9)
            .choices[0].message.content for seed in (3, 4)]
     with MoEModel.from_pretrained(path) as model:
-        want = [str(model.chat(messages, max_new_tokens=12, seed=seed, temperature=0.7, top_k=5, top_p=0.9))
+        want = [str(model.chat(messages, max_new_tokens=12, seed=seed, temperature=0.7, top_k=5, top_p=0.9,
+                               template_kwargs=NO_THINKING))
                 for seed in (3, 4)]
-        openais = [str(model.chat(messages, max_new_tokens=12, seed=seed, temperature=1.0, top_k=0, top_p=0.9))
+        openais = [str(model.chat(messages, max_new_tokens=12, seed=seed, temperature=1.0, top_k=0, top_p=0.9,
+                                  template_kwargs=NO_THINKING))
                    for seed in (3, 4)]
     assert got == want and got != openais
 

@@ -13,7 +13,14 @@ import sys
 
 from moe.api import MoEModel
 from moe.chat.template import read_template_file
-from moe.cli.common import add_model_args, add_sampling_args, run_command, sampling_args, sampling_settings
+from moe.cli.common import (
+    add_model_args,
+    add_sampling_args,
+    add_template_kwargs_arg,
+    run_command,
+    sampling_args,
+    sampling_settings,
+)
 from moe.parallel.distributed import under_torchrun
 from moe.tokenizer import load_tokenizer
 
@@ -32,6 +39,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--system", default=None, help="a system message opening the conversation")
     ap.add_argument("--chat-template", default=None, metavar="FILE",
                     help="a Jinja chat template to use instead of the checkpoint's (or for one that has none)")
+    add_template_kwargs_arg(ap, "every turn")
     ap.add_argument("--seed", type=int, default=None, help="random seed of the first reply (then one more a turn)")
     return ap
 
@@ -54,7 +62,7 @@ def chat(args: argparse.Namespace) -> int:
     with MoEModel.from_pretrained(args.ckpt, dtype=args.dtype, device=args.device, gpus=args.gpus,
                                   placement=args.placement, threads=args.threads, timeout_s=args.timeout,
                                   progress=interactive and not args.quiet) as model:
-        session = Session(model, args.system, template, sampling, args.seed)
+        session = Session(model, args.system, template, sampling, args.seed, args.chat_template_kwargs)
         if not args.quiet:  # standard output holds the replies alone
             shown, note = sampling_settings(model, args)
             print(f"settings: {shown} seed={'random' if args.seed is None else args.seed}{note}", file=sys.stderr)
@@ -77,8 +85,9 @@ class Session:
     """The conversation so far, and one reply at a time streamed to standard output."""
 
     def __init__(self, model: MoEModel, system: str | None, template: str | None, sampling: dict,
-                 seed: int | None) -> None:
+                 seed: int | None, template_kwargs: dict | None = None) -> None:
         self.model, self.system, self.template, self.sampling, self.seed = model, system, template, sampling, seed
+        self.template_kwargs = template_kwargs or {}
         self.messages: list[dict] = []
         self.reset()
 
@@ -96,7 +105,7 @@ class Session:
 
         try:
             answer = self.model.chat(self.messages, chat_template=self.template, streamer=show, seed=self.seed,
-                                     **self.sampling)
+                                     template_kwargs=self.template_kwargs, **self.sampling)
             content = str(answer)
         except KeyboardInterrupt:  # the request was cancelled on every rank; the model stays usable
             content = "".join(shown)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -154,3 +155,20 @@ def sampling_settings(model, args: argparse.Namespace) -> tuple[str, str]:
     sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": 0} | sampling
     shown = " ".join(f"{k}={v}" + ("*" if k in from_file else "") for k, v in sampling.items())
     return f"max_new_tokens={args.max_new_tokens} {shown}", " (* from generation_config.json)" if from_file else ""
+
+
+def json_object(text: str) -> dict:
+    """An argparse type: a JSON object, e.g. '{"enable_thinking": false}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return value
+
+
+def add_template_kwargs_arg(ap: argparse.ArgumentParser, who: str) -> None:
+    ap.add_argument("--chat-template-kwargs", type=json_object, default={}, metavar="JSON",
+                    help=f"the chat template's own switches for {who}, e.g. '{{\"enable_thinking\": false}}' for "
+                         "Qwen3's")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moe.cli.common import add_model_args, refuse_gpus_under_torchrun, run_command
+from moe.cli.common import add_model_args, add_template_kwargs_arg, refuse_gpus_under_torchrun, run_command
 from moe.parallel.distributed import under_torchrun
 
 EXAMPLES = """examples:
@@ -47,6 +47,7 @@ def parser() -> argparse.ArgumentParser:
                     help="auto (default): the sampling values a request leaves out come from the checkpoint's "
                          "generation_config.json where it sets them; vllm: OpenAI's defaults (temperature 1, the rest "
                          "off), as vLLM's flag of that name")
+    add_template_kwargs_arg(ap, "every chat request that does not set them (its chat_template_kwargs win)")
     ap.add_argument("--no-compile", dest="compile", action="store_false",
                     help="eager decode steps. By default one CPU rank runs compiled ones: a step for every batch size "
                          "up to --max-num-seqs, built at start-up before /health turns 200 where the step cache does "
@@ -77,7 +78,7 @@ def serve_command(args: argparse.Namespace) -> int:
                            args.max_model_len, args.max_queue, args.max_num_batched_tokens, args.served_model_name,
                            args.api_key, args.max_body_bytes, args.drain_timeout, args.threads, args.attention,
                            args.experts, args.placement, args.timeout, not args.quiet, args.compile,
-                           args.generation_config == "auto")
+                           args.generation_config == "auto", args.chat_template_kwargs)
     if args.gpus > 1 and not under_torchrun():
         return serve_ranks(options, args.gpus)
     return serve(options)

@@ -32,6 +32,7 @@ class ServerState:
     tokenizer: Tokenizer | None = None
     vocab_size: int = 0
     defaults: dict = field(default_factory=dict)  # sampling values a request leaves out: generation_config.json's
+    template_kwargs: dict = field(default_factory=dict)  # the chat template's switches a request leaves out
     dead: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -110,10 +111,11 @@ class OpenAIServer:
         return await self.run(request, "chat", body, [self.chat_ids(body)], turn_end)
 
     def chat_ids(self, body: dict) -> list[int]:
+        switches = protocol.template_kwargs(body, self.state.template_kwargs)
         try:
             messages = text_content(body.get("messages"), self.state.tokenizer.chat_template())
             return self.state.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False,
-                                                            **(body.get("chat_template_kwargs") or {}))
+                                                            **switches)
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
 

@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +43,7 @@ class ServeOptions:
     progress: bool = True  # checkpoint reading shown on rank 0
     compile: bool = True  # compiled decode steps at start-up (one CPU rank, or a pipeline on N ranks); False: eager
     generation_config: bool = True  # a request's sampling defaults: the checkpoint's generation_config.json's
+    template_kwargs: dict = field(default_factory=dict)  # the chat template's switches a request leaves out
 
 
 def serve(options: ServeOptions) -> int:
@@ -55,7 +56,8 @@ def serve(options: ServeOptions) -> int:
     stacks_on_sigusr1()
     rank = int(os.environ.get("RANK", "0"))
     state = ServerState(options.served_model_name or os.path.basename(os.path.normpath(options.ckpt)),
-                        options.max_model_len or 0, options.max_body_bytes, options.api_key)
+                        options.max_model_len or 0, options.max_body_bytes, options.api_key,
+                        template_kwargs=dict(options.template_kwargs))
     http = _start_http(state, options) if rank == 0 else None
     try:
         model = MoEModel.from_pretrained(options.ckpt, dtype=options.dtype, device=options.device,
