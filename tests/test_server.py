@@ -165,7 +165,7 @@ def test_chat_template_kwargs_default_from_the_command_line_and_the_requests_win
         got = server.post("/tokenize", {"messages": messages} | given, headers=headers).json()["tokens"]
         assert got == tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False,
                                                     enable_thinking=thinking)
-    for bad, why in (("x", "must be an object"), ([1], "must be an object"),
+    for bad, why in (("x", "must be an object"), ([1], "must be an object"), (0, "must be an object"),
                      ({"messages": []}, "may not set messages")):
         response = server.post("/v1/chat/completions", {"messages": messages, "chat_template_kwargs": bad},
                                headers=headers)

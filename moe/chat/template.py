@@ -108,6 +108,20 @@ def render(source: str, messages: list[dict], special: dict[str, str], add_gener
         raise ValueError(f"the chat template refused the conversation: {e}") from None
 
 
+# The names a chat template gets from the call itself, which its own switches (`chat_template_kwargs`) may not set
+TEMPLATE_OWN = {"messages", "add_generation_prompt", "tools", "documents", "chat_template", "tokenize", "return_dict"}
+
+
+def check_switches(switches: object) -> dict:
+    """A template's own switches, as a request or a command line gives them: an object of other names than
+    `TEMPLATE_OWN`."""
+    if not isinstance(switches, dict):
+        raise ValueError(f"must be an object, got {switches!r}")
+    if taken := sorted(TEMPLATE_OWN & switches.keys()):
+        raise ValueError(f"may not set {', '.join(taken)} (the call's own)")
+    return switches
+
+
 def check_messages(messages: object) -> None:
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("a conversation is a non-empty list of messages ({'role': ..., 'content': ...})")

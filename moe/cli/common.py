@@ -168,7 +168,17 @@ def json_object(text: str) -> dict:
     return value
 
 
+def template_switches(text: str) -> dict:
+    """An argparse type: a chat template's own switches, as a JSON object (`moe.chat.template.check_switches`)."""
+    from moe.chat.template import check_switches
+
+    try:
+        return check_switches(json_object(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_template_kwargs_arg(ap: argparse.ArgumentParser, who: str) -> None:
-    ap.add_argument("--chat-template-kwargs", type=json_object, default={}, metavar="JSON",
+    ap.add_argument("--chat-template-kwargs", type=template_switches, default={}, metavar="JSON",
                     help=f"the chat template's own switches for {who}, e.g. '{{\"enable_thinking\": false}}' for "
                          "Qwen3's")

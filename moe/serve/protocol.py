@@ -9,6 +9,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from moe.chat.template import check_switches
 from moe.generation.loop import RowOutput
 from moe.generation.params import SamplingParams
 
@@ -105,20 +106,14 @@ def sampling(body: dict, kind: str, prompt_len: int, max_model_len: int, turn_en
     return Parsed(params, stream, bool(options.get("include_usage")), given is not None)
 
 
-# The names a chat template gets from the request itself, which `chat_template_kwargs` may not set
-TEMPLATE_OWN = {"messages", "add_generation_prompt", "tools", "documents", "chat_template", "tokenize", "return_dict"}
-
-
 def template_kwargs(body: dict, defaults: dict) -> dict:
     """The chat template's own switches (e.g. {"enable_thinking": false}): the server's defaults
     (`--chat-template-kwargs`), then the request's."""
-    given = body.get("chat_template_kwargs") or {}
-    if not isinstance(given, dict):
-        raise ApiError(400, f"chat_template_kwargs must be an object, got {given!r}", "chat_template_kwargs")
-    if taken := sorted(TEMPLATE_OWN & given.keys()):
-        raise ApiError(400, f"chat_template_kwargs may not set {', '.join(taken)} (the request's own)",
-                       "chat_template_kwargs")
-    return defaults | given
+    given = body.get("chat_template_kwargs")
+    try:
+        return defaults | check_switches({} if given is None else given)
+    except ValueError as e:
+        raise ApiError(400, f"chat_template_kwargs {e}", "chat_template_kwargs") from None
 
 
 def logprob_count(body: dict, kind: str) -> int | None:
