@@ -88,13 +88,22 @@ class Tokenizer:
 
 
 def load_tokenizer(directory: str | Path) -> Tokenizer | None:
-    """`tokenizer.json` if present (as transformers prefers its fast tokenizer), else `tokenizer.model`, else None."""
+    """`tokenizer.json` if present (as transformers prefers its fast tokenizer), else `tokenizer.model`, else the
+    newest `tokenizer.model.vN` (SentencePiece too: what mistral-inference downloads beside a consolidated
+    checkpoint), else None."""
     d = Path(directory)
     if (d / "tokenizer.json").exists():
         return HFTokenizer(d / "tokenizer.json")
     if (d / "tokenizer.model").exists():
         return SentencePieceTokenizer(d / "tokenizer.model")
-    return None
+    versions = mistral_tokenizers(d)
+    return SentencePieceTokenizer(versions[-1]) if versions else None
+
+
+def mistral_tokenizers(directory: Path) -> list[Path]:
+    """`tokenizer.model.v1`, `.v3`, ... in `directory`, oldest first."""
+    found = [f for f in directory.glob("tokenizer.model.v*") if f.name.rpartition(".v")[2].isdigit()]
+    return sorted(found, key=lambda f: int(f.name.rpartition(".v")[2]))
 
 
 @functools.lru_cache(maxsize=4)

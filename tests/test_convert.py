@@ -10,7 +10,7 @@ import torch
 
 from moe import MoEModel
 from moe.checkpoint.convert import convert_checkpoint, parse_size
-from tests.checkpoints import ROOT, tiny_config, write_checkpoint
+from tests.checkpoints import ROOT, TRAINED, tiny_config, write_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +85,17 @@ def test_a_family_mistrals_layout_cannot_hold_is_refused_in_one_line_before_writ
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "qwen3_moe has no Mistral consolidated layout" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["qwen3"]  # nothing written, not even a partial directory
+
+
+def test_a_consolidated_checkpoint_with_mistrals_versioned_tokenizer_reads_text(tmp_path):
+    """mistral-inference downloads `tokenizer.model.v3` (SentencePiece) beside consolidated.safetensors: text
+    prompts read through it give the Hugging Face directory's text, and a conversion carries it."""
+    convert_checkpoint(TRAINED, tmp_path / "mistral", "mistral")
+    (tmp_path / "mistral" / "tokenizer.model").rename(tmp_path / "mistral" / "tokenizer.model.v3")
+    want = MoEModel.from_pretrained(TRAINED).generate(["And God said"], max_new_tokens=8, temperature=0)
+    assert MoEModel.from_pretrained(tmp_path / "mistral").generate(["And God said"], max_new_tokens=8,
+                                                                    temperature=0) == want
+    convert_checkpoint(tmp_path / "mistral", tmp_path / "back", "hf")
+    assert (tmp_path / "back" / "tokenizer.model.v3").read_bytes() == (TRAINED / "tokenizer.model").read_bytes()
+    assert MoEModel.from_pretrained(tmp_path / "back").generate(["And God said"], max_new_tokens=8,
+                                                                temperature=0) == want

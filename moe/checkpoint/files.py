@@ -31,9 +31,11 @@ BESIDE_WEIGHTS = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", 
 
 
 def beside_weights(directory: str | Path | None) -> list[Path]:
-    """The files of `BESIDE_WEIGHTS` that `directory` holds."""
-    d = Path(directory) if directory is not None else None
-    return [d / name for name in BESIDE_WEIGHTS if (d / name).is_file()] if d is not None else []
+    """The files of `BESIDE_WEIGHTS` that `directory` holds, and Mistral's versioned `tokenizer.model.vN`."""
+    if directory is None:
+        return []
+    d = Path(directory)
+    return [d / name for name in BESIDE_WEIGHTS if (d / name).is_file()] + sorted(d.glob("tokenizer.model.v*"))
 
 
 # Bytes per element of each safetensors dtype code (the library's own list).
