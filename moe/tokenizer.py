@@ -10,7 +10,7 @@ import json
 import re
 from pathlib import Path
 
-from moe.checkpoint.files import CheckpointError
+from moe.checkpoint.files import CheckpointError, mistral_tokenizers
 
 
 class Tokenizer:
@@ -98,12 +98,6 @@ def load_tokenizer(directory: str | Path) -> Tokenizer | None:
         return SentencePieceTokenizer(d / "tokenizer.model")
     versions = mistral_tokenizers(d)
     return SentencePieceTokenizer(versions[-1]) if versions else None
-
-
-def mistral_tokenizers(directory: Path) -> list[Path]:
-    """`tokenizer.model.v1`, `.v3`, ... in `directory`, oldest first."""
-    found = [f for f in directory.glob("tokenizer.model.v*") if f.name.rpartition(".v")[2].isdigit()]
-    return sorted(found, key=lambda f: int(f.name.rpartition(".v")[2]))
 
 
 @functools.lru_cache(maxsize=4)

@@ -35,7 +35,14 @@ def beside_weights(directory: str | Path | None) -> list[Path]:
     if directory is None:
         return []
     d = Path(directory)
-    return [d / name for name in BESIDE_WEIGHTS if (d / name).is_file()] + sorted(d.glob("tokenizer.model.v*"))
+    return [d / name for name in BESIDE_WEIGHTS if (d / name).is_file()] + mistral_tokenizers(d)
+
+
+def mistral_tokenizers(directory: Path) -> list[Path]:
+    """`tokenizer.model.v1`, `.v3`, ... in `directory` (SentencePiece, as mistral-inference downloads them), oldest
+    first."""
+    found = [f for f in directory.glob("tokenizer.model.v*") if f.name.rpartition(".v")[2].isdigit() and f.is_file()]
+    return sorted(found, key=lambda f: int(f.name.rpartition(".v")[2]))
 
 
 # Bytes per element of each safetensors dtype code (the library's own list).
