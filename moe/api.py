@@ -211,18 +211,18 @@ class MoEModel:
                  seed: int | list[int] | None = None, streamer: Callable[[int, str | int], None] | None = None,
                  ignore_eos: bool = False, *, min_p: float | None = None, repetition_penalty: float | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, stop: str | list[str] | None = None,
-                 stop_token_ids: list[int] | None = None,
-                 logprobs: int | None = None) -> list[Completion] | list[TokenCompletion]:
+                 stop_token_ids: list[int] | None = None, logprobs: int | None = None,
+                 skip_special_tokens: bool = True) -> list[Completion] | list[TokenCompletion]:
         """One result per prompt: a `Completion` (a `str`: the new text) for text prompts, a `TokenCompletion` (a
         `list` of the new ids) for token-id prompts; both carry `token_ids`, `finish_reason` ("stop" or "length"),
         `stop_reason`, `logprobs`, `prompt_tokens` and `seed`. The parameters are vLLM's (`SamplingParams`).
-
         Sampling values left out come from the checkpoint's `generation_config.json` where it sets them (as
         transformers and vLLM do; `self.last_defaults` names them), else greedy (temperature 0, top_p 1, top_k off).
         Generation stops at every end-of-sequence id of the tokenizer, config.json and generation_config.json.
         `seed`: one for every prompt, or one per prompt; left out, a fresh one per prompt (drawn on one rank). A
         prompt's samples depend only on it, its parameters and its seed, never on the rest of the batch.
-        `ignore_eos` generates exactly `max_new_tokens` (for benchmarks), as vLLM's option of that name.
+        `ignore_eos` generates exactly `max_new_tokens` (for benchmarks), as vLLM's option of that name. The text
+        leaves special tokens out (`skip_special_tokens`, vLLM's default, as llama.cpp and transformers' pipelines).
         `streamer(prompt_index, piece)` gets each new text piece (or token id) once final (stop strings: held back).
         """
         if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, list):
@@ -234,7 +234,7 @@ class MoEModel:
         params = self._sampling(max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                                 frequency_penalty=frequency_penalty, stop=stop, stop_token_ids=stop_token_ids,
-                                logprobs=logprobs, ignore_eos=ignore_eos)
+                                logprobs=logprobs, ignore_eos=ignore_eos, skip_special_tokens=skip_special_tokens)
         return self._generate(ids, params, seed, streamer, is_text)
 
     def _sampling(self, max_new_tokens: int, stop=None, stop_token_ids=None, **given) -> SamplingParams:
@@ -271,7 +271,7 @@ class MoEModel:
         tokenizer = self.tokenizer if params.stop or (is_text and streamer) else self._tokenizer  # refused early
         check_kv_cache(self.config, self.info, self.engine, len(ids),
                        min(max(map(len, ids)) + params.max_new_tokens, self.config.max_seq_len))
-        stream = TextStreams(tokenizer, ids, params.stop, streamer, is_text) if streamer is not None else None
+        stream = TextStreams(tokenizer, ids, params, streamer, is_text) if streamer is not None else None
         with self._calling():
             if seeds is None:
                 base = self.engine.random_seed()
@@ -282,7 +282,7 @@ class MoEModel:
         if stream is not None:
             stream.finish()
         self.last_result = result
-        return to_results(self._tokenizer, ids, result.rows, seeds, params.stop, is_text)
+        return to_results(self._tokenizer, ids, result.rows, seeds, params, is_text)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:

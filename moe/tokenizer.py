@@ -27,7 +27,8 @@ class Tokenizer:
     def encode(self, text: str, bos: bool = True) -> list[int]:
         raise NotImplementedError
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """The text of `ids`; `skip_special_tokens` leaves out the special tokens' text (transformers' meaning)."""
         raise NotImplementedError
 
     def encode_special(self, text: str) -> list[int]:
@@ -81,10 +82,11 @@ class Tokenizer:
 
         return find_chat_template(self.path.parent), named_templates(self.path.parent)
 
-    def decode_continuation(self, prompt: list[int], new: list[int]) -> str:
+    def decode_continuation(self, prompt: list[int], new: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `new` as it reads after `prompt`: a tokenizer may drop a leading space at the start of a
-        decode, which would glue the first new word to the prompt's last one."""
-        return self.decode(prompt + new)[len(self.decode(prompt)):]
+        decode, which would glue the first new word to the prompt's last one. Generated text leaves special tokens
+        out by default, as vLLM, llama.cpp and transformers' pipelines do."""
+        return self.decode(prompt + new, skip_special_tokens)[len(self.decode(prompt, skip_special_tokens)):]
 
 
 def load_tokenizer(directory: str | Path) -> Tokenizer | None:
@@ -151,8 +153,8 @@ class HFTokenizer(Tokenizer):
             ids = [self.bos_id, *ids]
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=False)
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def encode_special(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -188,10 +190,20 @@ class SentencePieceTokenizer(Tokenizer):
         ids = self.sp.encode(text)
         return [self.bos_id, *ids] if bos and self.bos_id is not None else ids
 
-    def decode(self, ids: list[int]) -> str:
-        """Ids past the vocabulary (a model's embedding padded beyond it) are dropped, as `tokenizers` drops them."""
-        size = self.sp.get_piece_size()
-        return self.sp.decode([i for i in ids if 0 <= i < size])
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Ids past the vocabulary (a model's embedding padded beyond it) are dropped, as `tokenizers` drops them.
+        A special token is its piece's text, the runs between decoded on their own (as transformers' slow
+        tokenizers decode), unless skipped."""
+        ids = [i for i in ids if 0 <= i < self.sp.get_piece_size()]
+        if skip_special_tokens:
+            return self.sp.decode([i for i in ids if not self.is_special(i)])
+        text, run = "", []
+        for i in ids:
+            if self.is_special(i):
+                text, run = text + self.sp.decode(run) + self.sp.id_to_piece(i), []
+            else:
+                run.append(i)
+        return text + self.sp.decode(run)
 
     @property
     def special_texts(self) -> dict[str, str]:
@@ -236,23 +248,27 @@ class IncrementalDecoder:
 
     CONTEXT = 4  # prompt tokens kept before the new ones: enough for the space and UTF-8 decisions
 
-    def __init__(self, tokenizer: Tokenizer, prompt: list[int] | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt: list[int] | None = None, skip_special_tokens: bool = True) -> None:
         self.tokenizer, self.ids = tokenizer, list(prompt or [])[-self.CONTEXT:]  # the window
+        self.skip = skip_special_tokens
         self.read = len(self.ids)  # the window's first token not yet emitted: the ones before it are its context
-        self.known = tokenizer.decode(self.ids)  # the context's text, which the window's text begins with
+        self.known = self.decode(self.ids)  # the context's text, which the window's text begins with
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, self.skip)
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
+        text = self.decode(self.ids)
         if text.endswith("\ufffd") or len(text) <= len(self.known):
             return ""  # an incomplete UTF-8 character (wait for its other bytes), or no text yet
         new = text[len(self.known):]
         self.ids = self.ids[self.read:]  # the next window: this piece's tokens are its context
-        self.read, self.known = len(self.ids), self.tokenizer.decode(self.ids)
+        self.read, self.known = len(self.ids), self.decode(self.ids)
         return new
 
     def flush(self) -> str:
         """At the end: what is left, an incomplete character's replacement mark included (as a decode gives it)."""
-        text = self.tokenizer.decode(self.ids)
+        text = self.decode(self.ids)
         new, self.read, self.known = text[len(self.known):], len(self.ids), text
         return new

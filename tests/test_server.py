@@ -17,7 +17,6 @@ from moe import MoEModel
 from moe.parallel.distributed import free_port
 from tests.checkpoints import ROOT, TRAINED
 from tests.servers import Server
-from tests.test_chat_template import CHATML, checkpoint
 from tests.waiting import wait_gone, wait_until
 
 pytest.importorskip("openai")
@@ -98,6 +97,7 @@ BAD = [
     ({"prompt": 5}, 400, "prompt"),
     ({"prompt": "x", "model": "nope"}, 404, "model"),
     ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "x", "skip_special_tokens": "no"}, 400, "skip_special_tokens"),
     ([1, 2], 400, None),
 ]
 
@@ -125,98 +125,6 @@ def test_raw_http_errors_health_models_tokenize(server, local):
     assert server.post("/v1/completions", {"prompt": "And", "max_tokens": 2}).status_code == 200  # a first request
     metrics = httpx.get(server.url + "/metrics").text
     assert "moe_generation_tokens_total" in metrics and 'moe_expert_tokens_total{block="0",expert="0"}' in metrics
-
-
-GENERATION_CONFIG = {"do_sample": True, "temperature": 0.7, "top_k": 5}
-NO_THINKING = {"enable_thinking": False}  # the chat server's --chat-template-kwargs
-
-
-@pytest.fixture(scope="module")
-def chat_server(tmp_path_factory):
-    path = checkpoint(tmp_path_factory.mktemp("served-chat"), template_config=CHATML)
-    (path / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
-    with Server(path, "--api-key", "secret", "--chat-template-kwargs", '{"enable_thinking": false}') as s:
-        yield s, path
-
-
-def test_chat_completions_through_the_template(chat_server):
-    server, path = chat_server
-    messages = [{"role": "user", "content": "Who is Emma?"}]
-    with MoEModel.from_pretrained(path) as model:
-        want = model.chat(messages, max_new_tokens=10, temperature=0, template_kwargs=NO_THINKING)
-    client = server.client(api_key="secret")
-    got = client.chat.completions.create(model=path.name, messages=messages, max_tokens=10, temperature=0,
-                                         logprobs=True, top_logprobs=2)
-    assert got.choices[0].message.content == str(want) and got.choices[0].message.role == "assistant"
-    assert len(got.choices[0].logprobs.content) == len(want.token_ids)
-    chunks = list(client.chat.completions.create(model=path.name, messages=messages, max_tokens=10, temperature=0,
-                                                 stream=True))
-    assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == str(want)
-    assert server.post("/v1/chat/completions", {"messages": messages}).status_code == 401  # no key
-
-
-def test_chat_template_kwargs_default_from_the_command_line_and_the_requests_win(chat_server):
-    server, path = chat_server
-    headers = {"Authorization": "Bearer secret"}
-    messages = [{"role": "user", "content": "Who is Emma?"}]
-    tokenizer = MoEModel.from_pretrained(path).tokenizer
-    for given, thinking in (({}, False), ({"chat_template_kwargs": {"enable_thinking": True}}, True)):
-        got = server.post("/tokenize", {"messages": messages} | given, headers=headers).json()["tokens"]
-        assert got == tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False,
-                                                    enable_thinking=thinking)
-    for bad, why in (("x", "must be an object"), ([1], "must be an object"), (0, "must be an object"),
-                     ({"messages": []}, "may not set messages")):
-        response = server.post("/v1/chat/completions", {"messages": messages, "chat_template_kwargs": bad},
-                               headers=headers)
-        assert response.status_code == 400 and why in response.json()["error"]["message"], response.text
-        assert response.json()["error"]["param"] == "chat_template_kwargs"
-
-
-def test_content_parts_read_as_vllm_reads_them(chat_server):
-    """OpenAI's list of content parts: text parts joined by a newline for this template, which prints a string
-    (`moe.chat.template.text_content`); an image part is refused by name."""
-    server, path = chat_server
-    client = server.client(api_key="secret")
-    parts = [{"type": "text", "text": "Who is"}, {"type": "text", "text": "Emma?"}]
-    got = client.chat.completions.create(model=path.name, messages=[{"role": "user", "content": parts}],
-                                         max_tokens=8, temperature=0)
-    with MoEModel.from_pretrained(path) as model:
-        want = model.chat([{"role": "user", "content": "Who is\nEmma?"}], max_new_tokens=8, temperature=0,
-                          template_kwargs=NO_THINKING)
-    assert got.choices[0].message.content == str(want) and got.usage.prompt_tokens == want.prompt_tokens
-    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]
-    response = server.post("/v1/chat/completions", {"messages": image}, headers={"Authorization": "Bearer secret"})
-    assert response.status_code == 400 and "'image_url' is not supported" in response.json()["error"]["message"]
-
-
-def test_an_empty_prompt_of_a_tokenizer_without_bos_is_refused_and_the_server_goes_on(chat_server):
-    """The chat server's tokenizer adds no BOS: an empty text is no tokens at all (vLLM: 400 too)."""
-    server, path = chat_server
-    headers = {"Authorization": "Bearer secret"}
-    for body in ({"prompt": ""}, {"prompt": ["And", ""]}):
-        response = server.post("/v1/completions", body | {"max_tokens": 3}, headers=headers)
-        assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
-    good = server.post("/v1/completions", {"prompt": "And", "max_tokens": 2}, headers=headers)
-    assert good.status_code == 200 and httpx.get(server.url + "/health").status_code == 200
-
-
-def test_a_request_without_sampling_values_takes_generation_configs(chat_server):
-    """As vLLM serves by default: what a request leaves out comes from generation_config.json (here temperature 0.7
-    and top_k 5), what it gives wins (top_p), and OpenAI's defaults fill the rest."""
-    server, path = chat_server
-    messages = [{"role": "user", "content": "Who is Emma?"}]
-    client = server.client(api_key="secret")
-    got = [client.chat.completions.create(model=path.name, messages=messages, max_tokens=12, seed=seed, top_p=0.9)
-           .choices[0].message.content for seed in (3, 4)]
-    with MoEModel.from_pretrained(path) as model:
-        want = [str(model.chat(messages, max_new_tokens=12, seed=seed, temperature=0.7, top_k=5, top_p=0.9,
-                               template_kwargs=NO_THINKING))
-                for seed in (3, 4)]
-        openais = [str(model.chat(messages, max_new_tokens=12, seed=seed, temperature=1.0, top_k=0, top_p=0.9,
-                                  template_kwargs=NO_THINKING))
-                   for seed in (3, 4)]
-    assert got == want and got != openais
 
 
 def test_backpressure_cancellation_and_sigterm(tmp_path):

@@ -82,6 +82,27 @@ def test_a_character_split_over_tokens_streams_whole(ckpt):
     assert got == ["", "", "", "😀"]
 
 
+def test_special_tokens_are_text_as_transformers_decodes_them(ckpt):
+    """`decode` keeps special tokens' text unless told to skip them, as transformers' fast tokenizer does; generated
+    text skips them (vLLM's, llama.cpp's and transformers' pipelines' default), streamed alike."""
+    transformers = pytest.importorskip("transformers")
+    path, _, _ = ckpt
+    theirs = transformers.AutoTokenizer.from_pretrained(path)
+    model = MoEModel.from_pretrained(path)
+    ids = [1, 40, 2, 77, 3, 120, 0, 2]
+    for skip in (True, False):
+        assert model.tokenizer.decode(ids, skip) == theirs.decode(ids, skip_special_tokens=skip)
+    prompt = model.tokenizer.encode("And God said")
+    sample = dict(max_new_tokens=40, temperature=30.0, ignore_eos=True)  # near-uniform: some tokens are special
+    seed = next(s for s in range(50) if {0, 1, 2, 3} & set(model.generate([prompt], seed=s, **sample)[0]))
+    for skip in (True, False):
+        pieces: list[str] = []
+        out = model.generate(["And God said"], seed=seed, skip_special_tokens=skip,
+                             streamer=lambda b, p, pieces=pieces: pieces.append(p), **sample)[0]
+        whole = theirs.decode(prompt + out.token_ids, skip_special_tokens=skip)
+        assert out == whole[len(theirs.decode(prompt, skip_special_tokens=skip)):] == "".join(pieces)
+
+
 def test_every_eos_of_generation_config_stops(tmp_path):
     path = write_checkpoint(tmp_path / "ckpt", tiny_config())
     with MoEModel.from_pretrained(path) as model:
@@ -111,16 +132,17 @@ class Counting:
     def __init__(self, tokenizer) -> None:
         self.tokenizer, self.longest = tokenizer, 0
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         self.longest = max(self.longest, len(ids))
-        return self.tokenizer.decode(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens)
 
 
+@pytest.mark.parametrize("skip", [True, False], ids=["skip-special", "keep-special"])
 @pytest.mark.parametrize("kind", ["tokenizer.json", "sentencepiece"])
-def test_a_long_stream_adds_up_to_the_tokenizers_text_in_short_windows(ckpt, kind):
-    """Random ids (bytes that need not form UTF-8, pieces with and without leading spaces): the pieces and the final
-    flush give the tokenizer's own decode of the whole text after the prompt, and no decode call ever sees more
-    than a few tokens, however long the answer (the cost of a token does not grow with it)."""
+def test_a_long_stream_adds_up_to_the_tokenizers_text_in_short_windows(ckpt, kind, skip):
+    """Random ids (bytes that need not form UTF-8, pieces with and without leading spaces, special tokens): the
+    pieces and the final flush give the tokenizer's own decode of the whole text after the prompt, and no decode call
+    ever sees more than a few tokens, however long the answer (the cost of a token does not grow with it)."""
     import random
 
     from moe.tokenizer import load_tokenizer
@@ -129,12 +151,13 @@ def test_a_long_stream_adds_up_to_the_tokenizers_text_in_short_windows(ckpt, kin
     whole = (MoEModel.from_pretrained(path).tokenizer if kind == "tokenizer.json"
              else load_tokenizer(Path(__file__).resolve().parents[1] / "weights" / "tiny-moe-austen-bbe"))
     rng = random.Random(0)
-    prompt, ids = [rng.randrange(4, 300) for _ in range(6)], [rng.randrange(4, 300) for _ in range(1500)]
+    prompt, ids = [rng.randrange(4, 300) for _ in range(6)], [rng.randrange(0, 300) for _ in range(1500)]
     counting = Counting(whole)
-    decoder = IncrementalDecoder(counting, prompt)
+    decoder = IncrementalDecoder(counting, prompt, skip)
     pieces = [decoder.push(t) for t in ids] + [decoder.flush()]
     context = prompt[-IncrementalDecoder.CONTEXT:]
-    assert "".join(pieces) == whole.decode(context + ids)[len(whole.decode(context)):]
+    assert "".join(pieces) == whole.decode(context + ids, skip)[len(whole.decode(context, skip)):]
+    assert ("<s>" in "".join(pieces)) != skip
     assert counting.longest <= 24
 
 

@@ -135,6 +135,8 @@ def add_sampling_args(ap: argparse.ArgumentParser, max_new_tokens: int = 64) -> 
                     help="subtract per occurrence in the output (OpenAI's; -2 to 2, default 0)")
     ap.add_argument("--stop", action="append", default=None, help="stop before this text; repeat for several")
     ap.add_argument("--stop-token-id", action="append", type=int, default=None, help="stop at this token id")
+    ap.add_argument("--special", action="store_true",
+                    help="show special tokens (<|im_end|>, </s>) in the text (llama.cpp's flag); left out by default")
 
 
 def sampling_args(args: argparse.Namespace) -> dict:
@@ -142,7 +144,7 @@ def sampling_args(args: argparse.Namespace) -> dict:
     given = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                  top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                  presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                 stop=args.stop, stop_token_ids=args.stop_token_id)
+                 stop=args.stop, stop_token_ids=args.stop_token_id, skip_special_tokens=not args.special)
     return {k: v for k, v in given.items() if v is not None}
 
 

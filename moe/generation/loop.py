@@ -102,7 +102,7 @@ class Rows:
         self.out = [RowOutput(logprobs=[] if p.logprobs is not None else None) for p in params]
         if any(p.stop for p in params) and tokenizer is None:
             raise ValueError("stop strings need the checkpoint's tokenizer (tokenizer.json or tokenizer.model)")
-        self.texts = [StopText(tokenizer, prompt, p.stop) if p.stop else None
+        self.texts = [StopText(tokenizer, prompt, p.stop, p.skip_special_tokens) if p.stop else None
                       for p, prompt in zip(params, prompts, strict=True)]
         self.top = top_logprobs(params)
         self.width = packed_width(self.top)

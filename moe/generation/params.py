@@ -17,6 +17,7 @@ class SamplingParams:
     `frequency_penalty` subtract from the logits of output tokens once and per occurrence (OpenAI's). `stop`
     strings end the text right before the first one; `stop_token_ids` end it without the token. `logprobs=N`:
     the chosen token's log-probability and the N most likely tokens', from the model's raw distribution.
+    `skip_special_tokens` leaves special tokens' text (e.g. `<|im_end|>`) out of the text, as vLLM does by default.
     `seed` drives this prompt's own random stream: its samples do not depend on the rest of the batch."""
 
     max_new_tokens: int = 64
@@ -32,6 +33,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default=())
     logprobs: int | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         """A bad value is refused in one line naming it and its range, before any rank sees it."""
@@ -57,8 +59,9 @@ class SamplingParams:
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs)
             _within("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:

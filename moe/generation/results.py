@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe.generation.loop import RowOutput
+from moe.generation.params import SamplingParams
 from moe.generation.text import cut_at_stop
 from moe.tokenizer import Tokenizer
 
@@ -68,7 +69,7 @@ class TokenCompletion(_Outcome, list):
 
 
 def to_results(tokenizer: Tokenizer | None, prompts: list[list[int]], rows: list[RowOutput], seeds: list[int],
-               stop: tuple[str, ...], is_text: bool) -> list[Completion] | list[TokenCompletion]:
+               params: SamplingParams, is_text: bool) -> list[Completion] | list[TokenCompletion]:
     """The loop's rows as results; text (decoded after its prompt, cut before a stop string) where a tokenizer is."""
     out = []
     for prompt, row, seed in zip(prompts, rows, seeds, strict=True):
@@ -76,7 +77,8 @@ def to_results(tokenizer: Tokenizer | None, prompts: list[list[int]], rows: list
                                                       for t, (lp, top) in zip(row.tokens, row.logprobs, strict=True)]
         text = None
         if tokenizer is not None:
-            text, _ = cut_at_stop(tokenizer.decode_continuation(prompt, row.tokens), stop)
+            text, _ = cut_at_stop(tokenizer.decode_continuation(prompt, row.tokens, params.skip_special_tokens),
+                                  params.stop)
         fields = (row.tokens, row.finish_reason, row.stop_reason, logprobs, len(prompt), seed)
         out.append(Completion(text, *fields) if is_text else TokenCompletion(*fields, text=text))
     return out

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from moe.generation.params import SamplingParams
 from moe.tokenizer import IncrementalDecoder, Tokenizer
 
 
 class StopText:
-    def __init__(self, tokenizer: Tokenizer, prompt: list[int], stops: tuple[str, ...]) -> None:
-        self.decoder = IncrementalDecoder(tokenizer, prompt)
+    def __init__(self, tokenizer: Tokenizer, prompt: list[int], stops: tuple[str, ...],
+                 skip_special_tokens: bool = True) -> None:
+        self.decoder = IncrementalDecoder(tokenizer, prompt, skip_special_tokens)
         self.stops, self.hold = stops, max((len(s) for s in stops), default=1) - 1
         self.text, self.emitted, self.searched = "", 0, 0
         self.hit: str | None = None
@@ -56,10 +58,11 @@ def cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str | None]:
 class TextStreams:
     """A caller's streamer fed text pieces (text prompts) or token ids (token-id prompts) as tokens arrive."""
 
-    def __init__(self, tokenizer: Tokenizer | None, prompts: list[list[int]], stop: tuple[str, ...],
+    def __init__(self, tokenizer: Tokenizer | None, prompts: list[list[int]], params: SamplingParams,
                  streamer: Callable[[int, str | int], None], is_text: bool) -> None:
         self.streamer = streamer
-        self.texts = [StopText(tokenizer, p, stop) for p in prompts] if is_text else None
+        self.texts = [StopText(tokenizer, p, params.stop, params.skip_special_tokens) for p in prompts] \
+            if is_text else None
 
     def on_token(self, b: int, token: int) -> None:
         if self.texts is None:

@@ -73,7 +73,8 @@ class Scheduler:
                 raise QueueFull(f"the queue is full ({len(self.waiting)} waiting, {len(self.running)} running)")
             request.id = next(self.ids)
             request.out.logprobs = [] if request.params.logprobs is not None else None
-            request.text = StopText(self.tokenizer, request.prompt, request.params.stop)
+            params = request.params
+            request.text = StopText(self.tokenizer, request.prompt, params.stop, params.skip_special_tokens)
             self.waiting.append(request)
         self.wake.set()
         return request
