@@ -36,8 +36,12 @@ def test_bf16_conversion_within_bf16_tolerance(source, tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert.py"), "--ckpt", str(source), "--out",
                            str(tmp_path / "bf16"), "--dtype", "bfloat16"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    model = MoEModel.from_pretrained(tmp_path / "bf16")
-    assert model.info.dtype == "bfloat16"  # the saved config records it
+    for spelling in (None, "auto"):  # the checkpoint's own, as transformers' and vLLM's "auto"
+        assert MoEModel.from_pretrained(tmp_path / "bf16", dtype=spelling).info.dtype == "bfloat16"
+    for spelling, name in (("half", "float16"), ("float", "float32"), ("bf16", "bfloat16")):  # vLLM's names
+        assert MoEModel.from_pretrained(tmp_path / "bf16", dtype=spelling).info.dtype == name
+    with pytest.raises(ValueError, match="^unsupported dtype 'fp8'; choose one of float32, bfloat16, float16, int8$"):
+        MoEModel.from_pretrained(tmp_path / "bf16", dtype="fp8")
     full = logits(source)
     half = logits(tmp_path / "bf16", dtype="float32").float()  # bf16-rounded weights, fp32 compute
     assert (half - full).abs().max().item() < 0.05 * full.abs().max().item()

@@ -32,14 +32,15 @@ from moe.checkpoint.formats import (
 )
 from moe.progress import Progress, silent
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+# vLLM's and transformers' spellings too ("half", "float"); "auto" (theirs) or None is the checkpoint's own
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
 def parse_dtype(dtype: str | torch.dtype | None, default: str | None = None) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    name = dtype or default or "float32"
+    name = (dtype if dtype != "auto" else None) or default or "float32"
     if name not in DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; choose one of float32, bfloat16, float16")
     return DTYPES[name]

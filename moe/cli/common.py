@@ -98,7 +98,7 @@ def say_from(rank: int) -> Callable[..., None]:
 def add_model_args(ap: argparse.ArgumentParser) -> None:
     """--ckpt, --dtype, --gpus, --threads, --placement: how every inference command loads a model."""
     ap.add_argument("--ckpt", required=True, help="checkpoint directory (Hugging Face or Mistral consolidated)")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "int8"], default=None,
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "int8"], default=None,
                     help="weights and activations dtype (default: the checkpoint's, else float32); int8: "
                          "int8 weights quantized at load (per output channel), bf16 activations")
     ap.add_argument("--gpus", type=int, default=1,

@@ -14,7 +14,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ckpt", required=True, help="source checkpoint directory (either layout)")
     ap.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     ap.add_argument("--format", choices=["hf", "mistral"], default="hf", help="output layout (default hf)")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
                     help="output dtype (default: the source's)")
     ap.add_argument("--max-shard-size", default=None, help="split HF output into files of at most this, e.g. 200MB")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")

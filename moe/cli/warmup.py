@@ -16,7 +16,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--ckpt", required=True, help="checkpoint directory (Hugging Face or Mistral consolidated)")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "int8"], default=None,
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "int8"], default=None,
                     help="as generate's --dtype (a package serves one dtype)")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (the packages run on any number)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1], metavar="B",
