@@ -29,6 +29,7 @@ from moe.engine.layouts import check_options, compilable_plan
 from moe.engine.local import LocalEngine
 from moe.errors import USER_ERRORS, RankFailure
 from moe.generation import SamplingParams, check_prompts
+from moe.generation.loop import batch_of_prompts
 from moe.generation.params import SEED_LIMIT, per_prompt_seeds
 from moe.generation.results import Completion, TokenCompletion, to_results
 from moe.generation.text import TextStreams
@@ -206,16 +207,17 @@ class MoEModel:
         with self._calling():
             return self.engine.random_seed()
 
-    def generate(self, prompts: list[str] | list[list[int]], max_new_tokens: int = 64,
+    def generate(self, prompts: str | list[str] | list[int] | list[list[int]], max_new_tokens: int = 64,
                  temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                  seed: int | list[int] | None = None, streamer: Callable[[int, str | int], None] | None = None,
                  ignore_eos: bool = False, *, min_p: float | None = None, repetition_penalty: float | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, stop: str | list[str] | None = None,
                  stop_token_ids: list[int] | None = None, logprobs: int | None = None,
                  skip_special_tokens: bool = True) -> list[Completion] | list[TokenCompletion]:
-        """One result per prompt: a `Completion` (a `str`: the new text) for text prompts, a `TokenCompletion` (a
-        `list` of the new ids) for token-id prompts; both carry `token_ids`, `finish_reason` ("stop" or "length"),
-        `stop_reason`, `logprobs`, `prompt_tokens` and `seed`. The parameters are vLLM's (`SamplingParams`).
+        """A list of one result per prompt (a text or token ids, or a list of them, as vLLM takes them): a
+        `Completion` (a `str`: the new text) for text prompts, a `TokenCompletion` (a `list` of the new ids) for
+        token-id prompts; both carry `token_ids`, `finish_reason` ("stop" or "length"), `stop_reason`, `logprobs`,
+        `prompt_tokens` and `seed`. The parameters are vLLM's (`SamplingParams`).
         Sampling values left out come from the checkpoint's `generation_config.json` where it sets them (as
         transformers and vLLM do; `self.last_defaults` names them), else greedy (temperature 0, top_p 1, top_k off).
         Generation stops at every end-of-sequence id of the tokenizer, config.json and generation_config.json.
@@ -225,12 +227,8 @@ class MoEModel:
         leaves special tokens out (`skip_special_tokens`, vLLM's default, as llama.cpp and transformers' pipelines).
         `streamer(prompt_index, piece)` gets each new text piece (or token id) once final (stop strings: held back).
         """
-        if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, list):
-            raise TypeError("prompts must be a list of strings or a list of token-id lists")
-        is_text = bool(prompts) and all(isinstance(p, str) for p in prompts)
-        if is_text and any(not p for p in prompts):
-            raise ValueError(f"prompt {[bool(p) for p in prompts].index(False)} is empty")
-        ids = [self.tokenizer.encode(p) for p in prompts] if is_text else [list(map(int, p)) for p in prompts]
+        prompts, is_text = batch_of_prompts(prompts)
+        ids = [self.tokenizer.encode(p) for p in prompts] if is_text else prompts
         params = self._sampling(max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                                 frequency_penalty=frequency_penalty, stop=stop, stop_token_ids=stop_token_ids,

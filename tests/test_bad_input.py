@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from moe import CheckpointError, MoEModel
-from tests.checkpoints import ROOT, tiny_config, write_checkpoint
+from tests.checkpoints import ROOT, TRAINED, tiny_config, write_checkpoint
 
 
 @pytest.fixture()
@@ -114,6 +114,19 @@ def test_prompt_errors(tmp_path):
     with pytest.raises(ValueError) as e:
         model.generate([[1, 500]])
     assert "500" in one_line(e)
+    for prompts, got in ((["And", [1, 2]], "a list of list and str"), ([True, 2], "a list of bool and int"),
+                         (None, "NoneType"), (torch.tensor([[1, 2]]), "Tensor (a tensor of ids: pass .tolist())")):
+        with pytest.raises(TypeError) as e:
+            model.generate(prompts)
+        assert one_line(e).endswith(f"; got {got}")
+
+
+def test_one_prompt_may_be_given_alone_as_vllm_takes_it():
+    """A text or a list of ids is one prompt (vLLM's `LLM.generate`, OpenAI's `prompt`); the result is a list."""
+    model = MoEModel.from_pretrained(TRAINED)
+    assert model.generate("And God said", max_new_tokens=4) == model.generate(["And God said"], max_new_tokens=4)
+    assert model.generate([1, 5, 9], max_new_tokens=4) == model.generate([[1, 5, 9]], max_new_tokens=4)
+    assert model.generate((1, 5), max_new_tokens=4) == model.generate([[1, 5]], max_new_tokens=4)
 
 
 def test_cli_reports_user_errors_in_one_line_without_traceback(tmp_path):
@@ -136,7 +149,6 @@ def test_sizes_are_bounded_before_anything_is_allocated(tmp_path, monkeypatch):
     import shutil as _shutil
 
     from moe.parallel.devices import check_cpu_ranks
-    from tests.checkpoints import TRAINED
 
     with pytest.raises(ValueError, match=r"^--gpus 1000: this machine runs at most 8 CPU ranks \(2 cores"):
         check_cpu_ranks(1000, 2, 24 * 1024)

@@ -49,6 +49,29 @@ def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, t
     return tokens, pad
 
 
+def batch_of_prompts(prompts: object) -> tuple[list[str] | list[list[int]], bool]:
+    """`generate`'s prompts as vLLM's `LLM.generate` and OpenAI's `prompt` take them (a text, texts, token ids,
+    lists of them) as a batch, and whether it is text; anything else is refused naming what it got."""
+    def ids(p: object) -> bool:
+        return isinstance(p, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    elif ids(prompts) and prompts:
+        prompts = [list(prompts)]
+    if isinstance(prompts, list) and all(isinstance(p, str) for p in prompts):
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+        return prompts, bool(prompts)
+    if isinstance(prompts, list) and all(ids(p) for p in prompts):
+        return [list(p) for p in prompts], False
+    kinds = sorted({type(p).__name__ for p in prompts}) if isinstance(prompts, list) else [type(prompts).__name__]
+    hint = " (a tensor of ids: pass .tolist())" if hasattr(prompts, "tolist") else ""
+    raise TypeError(f"prompts must be a text, a list of texts, a list of token ids, or a list of such lists; got "
+                    f"{'a list of ' if isinstance(prompts, list) else ''}{' and '.join(kinds)}{hint}")
+
+
 def check_prompts(prompts: list[list[int]], vocab_size: int, context: int) -> None:
     if not prompts:
         raise ValueError("no prompts given")
