@@ -86,8 +86,10 @@ def describe(uses: list[MemoryUse]) -> str:
             f"reserved {per_rank([g[2] for g in gpu])} MiB; host {host}")
 
 
-def check_kv_cache(cfg, info, engine, batch: int, length: int) -> None:
-    """Refuse, before any memory is taken, a request whose KV cache cannot fit where it would live."""
+def check_kv_cache(cfg, info, engine, batch: int, length: int,
+                   hint: str = "ask for fewer new tokens or fewer prompts") -> None:
+    """Refuse, before any memory is taken, a request (or a server's sequences) whose KV cache cannot fit where it
+    would live."""
     from models.kv_cache import KVCache
     from moe.checkpoint.loader import activation_dtype
 
@@ -101,4 +103,4 @@ def check_kv_cache(cfg, info, engine, batch: int, length: int) -> None:
         return  # GPU ranks in other processes: their free memory is not visible from here
     if need > free:
         raise ValueError(f"a KV cache for {batch} sequence(s) of {length} positions needs {need / 2**30:.1f} GiB, "
-                         f"{where} has {free / 2**30:.1f} GiB free; ask for fewer new tokens or fewer prompts")
+                         f"{where} has {free / 2**30:.1f} GiB free; {hint}")

@@ -150,3 +150,48 @@ def test_metrics_give_no_expert_series_for_a_dense_block():
     series = [line for line in metrics.text().splitlines() if line.startswith("moe_expert_tokens_total{")]
     assert series == [f'moe_expert_tokens_total{{block="{b}",expert="{e}"}} {n}'
                       for b, e, n in [(0, 0, 3), (0, 1, 1), (2, 0, 2), (2, 1, 2)]]
+
+
+def test_a_join_or_a_leave_holds_one_blocks_cache_twice_at_most(model, monkeypatch):
+    """Each block's cache rows are replaced in turn and the old ones let go first (by the engine and its compiled
+    step too): when the k-th block's new rows are made, only the blocks not yet replaced still have old ones. A
+    second copy of every block's rows, kept to the end, was twice the KV memory at each join."""
+    import gc
+    import weakref
+
+    import torch
+
+    from moe.serve import batch as module
+    from moe.serve.batch import Row, RunningBatch
+
+    alive: list[int] = []
+    olds: list[weakref.ref] = []
+    def counting(real):
+        def counted(*args):
+            gc.collect()
+            alive.append(sum(r() is not None for r in olds))
+            return real(*args)
+        return counted
+
+    for name in ("_cat", "_rows"):
+        monkeypatch.setattr(module, name, counting(getattr(module, name)))
+    rows = RunningBatch(model.engine, 64)
+
+    def then(change) -> list[int]:
+        """Alive old blocks at each block's new rows in `change`, after a decode step held the caches."""
+        rows.record([7] * len(rows.rows), rows.rows, torch.full((len(rows.rows),), 7))
+        rows.step()  # the engine (and a compiled step) holds these caches now
+        olds[:] = [weakref.ref(c.k) for c in model.engine.caches.values()]
+        alive.clear()
+        change()
+        return list(alive)
+
+    try:
+        with torch.inference_mode():
+            rows.join([Row(0, [1, 5, 9], SamplingParams(max_new_tokens=4))])
+            blocks = len(model.engine.caches)
+            assert then(lambda: rows.join([Row(1, [1, 5], SamplingParams(max_new_tokens=4))])) == \
+                list(range(blocks, 0, -1))
+            assert then(lambda: rows.leave({0})) == list(range(blocks, 0, -1))
+    finally:
+        model.engine.caches, model.engine.padding, model.engine.exact_caches = None, None, False

@@ -15,7 +15,7 @@ import pytest
 
 from moe import MoEModel
 from moe.parallel.distributed import free_port
-from tests.checkpoints import ROOT, TRAINED
+from tests.checkpoints import ROOT, TRAINED, tiny_config, write_checkpoint
 from tests.servers import Server
 from tests.waiting import wait_gone, wait_until
 
@@ -196,6 +196,22 @@ def test_the_serving_pages_curl_and_client_examples(server):
     script = client_example.replace("8000", str(server.port)).replace('model="tiny-moe-austen-bbe"', 'model="austen"')
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "completion_tokens=16" in done.stdout, done.stderr
+
+
+@pytest.mark.parametrize("ranks", [[], ["--gpus", "2", "--device", "cpu"]], ids=["1-rank", "2-ranks"])
+def test_sequences_whose_kv_cache_cannot_fit_are_refused_at_start_in_one_line(ranks, tmp_path):
+    """Each running sequence has a cache row of --max-model-len: 64 of 10^8 positions need terabytes, refused
+    before any is taken (a server that started would die under load); from rank processes too, as one line."""
+    from tests.test_chat_template import tokenizer_dir
+
+    path = tokenizer_dir(write_checkpoint(tmp_path / "ckpt", tiny_config(vocab_size=300, max_seq_len=10**8)))
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "serve.py"), "--ckpt", str(path), "--port",
+                           str(free_port()), "--max-num-seqs", "64", "--max-model-len", str(10**8), *ranks],
+                          capture_output=True, text=True, timeout=300)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert last.startswith("error: a KV cache for 64 sequence(s) of 100000000 positions needs ") and \
+        last.endswith("free; lower --max-model-len or --max-num-seqs"), last
 
 
 def test_under_torchrun_rank_zero_serves_and_sigterm_stops_all():

@@ -49,6 +49,8 @@ class LocalEngine:
     @caches.setter
     def caches(self, caches: dict[str, KVCache] | None) -> None:
         self._caches, self.plan = caches, None  # a new batch (the server's rows join and leave this way too)
+        if self.ahead is not None:
+            self.ahead.unbind()  # nor does the package's step hold the old ones
 
     @property
     def padding(self) -> Padding | None:

@@ -79,8 +79,7 @@ class RunningBatch:
             kept = set(keep)
             local = torch.tensor([j for j, g in enumerate(mine) if g in kept], dtype=torch.long,
                                  device=self.engine.device)
-        self.engine.caches = {name: _rows(c, local if name in self.split else index)
-                              for name, c in self.engine.caches.items()} if keep else {}
+        self._recache(lambda name, c: _rows(c, local if name in self.split else index), keep)
         self.rows, self.pad = [self.rows[i] for i in keep], [self.pad[i] for i in keep]
         self._keep_homes([self.homes[i] for i in keep] if self.split else [])
         self.sampler = self.last_B = None
@@ -101,8 +100,10 @@ class RunningBatch:
             self.engine.start(len(rows), self.length, torch.tensor(pads))
             logits = self.engine.forward_last(tokens, self.clock - longest)
             joined = self.engine.caches
-        running = self.engine.caches
-        self.engine.caches = {name: _cat(running[name], c) for name, c in joined.items()} if running else joined
+        if self.engine.caches:
+            self._recache(lambda name, c: _cat(c, joined.pop(name)))
+        else:
+            self.engine.caches = joined
         self.rows, self.pad, self.sampler, self.last_B = self.rows + rows, self.pad + pads, None, None
         self._keep_homes(self.homes + homes)
         self._set_padding()
@@ -141,7 +142,7 @@ class RunningBatch:
         by = self.clock - length
         _move_columns(p.caches, by, self.length)
         if self.rows:
-            self.engine.caches = {name: _cat(self.engine.caches[name], c) for name, c in p.caches.items()}
+            self._recache(lambda name, c: _cat(c, p.caches.pop(name)))
         else:
             self.engine.caches = p.caches
         self.rows, self.pad, self.sampler, self.last_B = self.rows + [p.row], self.pad + [by], None, None
@@ -212,6 +213,13 @@ class RunningBatch:
         if self.split:
             self.homes = homes
             self.engine.set_homes(homes)
+
+    def _recache(self, change, keep: bool | list = True) -> None:
+        """Each block's cache replaced by `change(name, cache)` in turn, the old one let go before the next is made
+        (the engine first lets go of the old caches): a join or a leave holds one block's rows twice at most, where
+        a second copy of every block's was twice the KV memory at each join."""
+        old, self.engine.caches = self.engine.caches, {}
+        self.engine.caches = {name: change(name, old.pop(name)) for name in list(old)} if keep else {}
 
     def _set_padding(self) -> None:
         self.engine.padding = Padding.of(torch.tensor(self.pad, dtype=torch.long), self.engine.device)

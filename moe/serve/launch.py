@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moe.host import name_this_thread, stacks_on_sigusr1
+from moe.memory import check_kv_cache
 from moe.parallel.distributed import DEFAULT_TIMEOUT_S
 from moe.progress import Progress
 from moe.serve.app import OpenAIServer, ServerState
@@ -147,6 +148,9 @@ def _context(model, options: ServeOptions) -> int:
     length = options.max_model_len or min(limit, 4096)
     if not 1 < length <= limit:
         raise ValueError(f"--max-model-len {length}: must be between 2 and the model's context ({limit})")
+    # every running sequence has a cache row of this length: the most of them must fit at start, not fail later
+    check_kv_cache(cfg, model.info, model.engine, options.max_num_seqs, length,
+                   "lower --max-model-len or --max-num-seqs")
     return length
 
 

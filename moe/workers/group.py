@@ -8,7 +8,9 @@ raises an error naming the rank and the cause. Ranks also die with the parent (`
 from __future__ import annotations
 
 import atexit
+import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
@@ -201,11 +203,26 @@ class WorkerGroup:
         _stop(self.ranks)
 
 
+def _last_word(conn) -> tuple | None:
+    """What a batch rank sent before its pipe closed (a user error), if anything."""
+    try:
+        return conn.recv() if conn.poll() else None
+    except (EOFError, OSError):
+        return None
+
+
 def batch_rank(conn, target: str, rank: int, world_size: int, port: int, *args) -> None:
-    """In a rank process: run a batch job's `target(rank, world_size, port, *args)`; exit 0 only if it returned."""
+    """In a rank process: run a batch job's `target(rank, world_size, port, *args)`; exit 0 only if it returned.
+    A user error (bad input every rank finds alike) goes to the launcher as one line, for it to raise, not as a
+    traceback on the rank's stderr."""
     from moe.workers.entry import resolve
 
-    resolve(target)(rank, world_size, port, *args)
+    try:
+        resolve(target)(rank, world_size, port, *args)
+    except USER_ERRORS as e:
+        conn.send(("error", type(e).__name__, str(e).splitlines()[0] if str(e) else ""))
+        sys.stderr.flush()
+        os._exit(2)
 
 
 def run_ranks(target: Callable, world_size: int, *args, master_port: int | None = None, threads: int | None = None,
@@ -243,7 +260,9 @@ def run_ranks(target: Callable, world_size: int, *args, master_port: int | None 
         while running:
             for conn in wait([rp.conn for rp in running.values()]):
                 rp = running.pop(id(conn))
-                code = rp.proc.wait()
+                said, code = _last_word(conn), rp.proc.wait()
+                if said is not None and said[0] == "error":  # a user error: its own type and line
+                    raise _USER_ERROR_TYPES.get(said[1], ValueError)(said[2])
                 if code != 0:
                     how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
                     raise RankFailure(f"rank {rp.rank} failed ({how}); stopped all {world_size} ranks")
