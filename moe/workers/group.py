@@ -185,7 +185,7 @@ class WorkerGroup:
         self.close(force=True, reason=message)
         raise RankFailure(message, detail)
 
-    def close(self, force: bool = False, reason: str = "closed") -> None:
+    def close(self, force: bool = False, reason: str = "close() was called") -> None:
         """Stop every rank: politely when healthy, by signal otherwise. Safe to call twice."""
         if self.closed:
             return
