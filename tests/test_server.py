@@ -98,6 +98,7 @@ BAD = [
     ({"prompt": "x", "model": "nope"}, 404, "model"),
     ({"prompt": "x", "stream": "yes"}, 400, "stream"),
     ({"prompt": "x", "skip_special_tokens": "no"}, 400, "skip_special_tokens"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ([1, 2], 400, None),
 ]
 

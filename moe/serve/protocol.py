@@ -103,6 +103,8 @@ def sampling(body: dict, kind: str, prompt_len: int, max_model_len: int, turn_en
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, f"stream must be true or false, got {stream!r}", "stream")
+    if options and not stream:  # as vLLM refuses it
+        raise ApiError(400, "stream_options can only be given with stream: true", "stream_options")
     return Parsed(params, stream, bool(options.get("include_usage")), given is not None)
 
 
