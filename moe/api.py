@@ -19,7 +19,7 @@ import torch
 from models.config import ModelConfig
 from models.kernels import native
 from moe.chat.template import end_of_turn_id
-from moe.checkpoint.files import beside_weights
+from moe.checkpoint.files import beside_weights, resolve_checkpoint
 from moe.checkpoint.formats import detect
 from moe.checkpoint.generation_config import GenerationDefaults, read_generation_config
 from moe.checkpoint.loader import INT8, parse_precision
@@ -61,17 +61,17 @@ class MoEModel:
                         threads: int | None = None, progress: bool = False, attention: str = "layer",
                         cpu_kernels: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
                         exchange: str = "auto", compile: bool | str | None = None, experts: str = "expert") -> MoEModel:
-        """Load a Hugging Face or Mistral consolidated directory.
+        """Load a Hugging Face or Mistral consolidated directory, or a Hub repository id from the local cache.
 
         `device`: "auto" (CUDA with a GPU for every rank, CPU with none; else an error), "cuda", "cpu", "cuda:N".
-        With `gpus=N > 1`, N ranks (one GPU each with NCCL, or CPU processes over gloo) share the model
-        under `placement` (default: contiguous block ranges, experts of every block spread over all ranks);
-        the ranks are fresh interpreters, so this works from any script, `python -c` or a notebook, and they
-        stop on `close()`, at the end of a `with` block, or at interpreter exit. Under torchrun (RANK and
-        WORLD_SIZE set) this process joins the given group as one rank instead, and every rank makes the same
-        calls. `progress` shows checkpoint reading on rank 0 (a bar on a terminal, a line per file).
-        `timeout_s` is how long a collective waits for the slowest rank (loading, saving); a rank that dies
-        is found within seconds regardless. `threads`: CPU threads per rank (in this process: torch's own setting).
+        With `gpus=N > 1`, N ranks (one GPU each with NCCL, or CPU processes over gloo) share the model under
+        `placement` (default: contiguous block ranges, experts of every block spread over all ranks); the ranks are
+        fresh interpreters, so this works from any script, `python -c` or a notebook, and they stop on `close()`, at
+        the end of a `with` block, or at interpreter exit. Under torchrun (RANK and WORLD_SIZE set) this process joins
+        the given group as one rank instead, and every rank makes the same calls. `progress` shows checkpoint reading
+        on rank 0 (a bar on a terminal, a line per file). `timeout_s` is how long a collective waits for the slowest
+        rank (loading, saving); a rank that dies is found within seconds regardless. `threads`: CPU threads per rank
+        (in this process: torch's own setting).
         `attention` and `experts` shard every block one way over all N ranks (the placement file can say it per
         block, `moe.parallel.strategies`): attention "layer" (one owner per block, default), "replicated" (every
         rank holds the dense weights and runs its own slice of the batch) or "tensor" (heads split over the ranks);
@@ -85,10 +85,10 @@ class MoEModel:
         `exchange` (N ranks): "auto" gathers a step's few rows to every rank (two collectives per block, no sizes
         on the host) for decode and exchanges them by all-to-all for prefill; "gather" or "all-to-all" forces one.
         """
+        path = resolve_checkpoint(path)  # a directory, or a Hub repository id in the local cache
         ckpt = detect(path)
         cfg = ckpt.config
-        tokenizer = load_tokenizer(path)
-        defaults = read_generation_config(path, list(cfg.eos_ids) or cfg.eos_id)
+        tokenizer, defaults = load_tokenizer(path), read_generation_config(path, list(cfg.eos_ids) or cfg.eos_id)
         dtype_name = parse_precision(dtype, ckpt.torch_dtype)
         check_options(gpus, cpu_kernels, attention, experts, exchange, compile, threads)
         ranks_compile = compile in (True, "torch")  # N ranks: torch.compile or nothing

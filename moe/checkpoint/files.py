@@ -128,6 +128,44 @@ def hub_repository(directory: Path) -> Path | None:
     return None
 
 
+def resolve_checkpoint(path: str | Path) -> str | Path:
+    """`path` where it exists; else a Hub repository id ("org/name") read from the local Hugging Face cache
+    (HF_HUB_CACHE, HF_HOME), its `main` snapshot, as transformers and vLLM resolve one offline. Nothing is
+    downloaded here."""
+    given = str(path)
+    if Path(given).exists() or not _repo_id(given):
+        return path
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        found = snapshot_download(given, local_files_only=True)
+    except LocalEntryNotFoundError:
+        raise CheckpointError(f"{given}: no such directory, and the Hugging Face cache ({constants.HF_HUB_CACHE}) "
+                              f"holds no snapshot of that repository; nothing is downloaded here: `hf download "
+                              f"{given}` first") from None
+    return found if isinstance(path, str) else Path(found)
+
+
+def _repo_id(text: str) -> bool:
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return text.count("/") == 1  # "org/name": a bare word is more likely a directory that is not there
+
+
+def checkpoint_name(path: str | Path) -> str:
+    """A checkpoint's name: a Hub snapshot's repository id ("org/name", as vLLM serves it), else the directory's."""
+    repo = hub_repository(Path(path))
+    if repo is not None and repo.name.startswith("models--"):
+        return repo.name.removeprefix("models--").replace("--", "/", 1)
+    return os.path.basename(os.path.abspath(path))
+
+
 def inside(directory: Path, name: str, listed_in: str = HF_INDEX) -> Path:
     """Resolve a weight file's name, refusing anything that leaves the checkpoint directory. A symlink is
     followed only to a regular file of the same hub cache repository (`snapshots/<rev>/f -> ../../blobs/<hash>`,

@@ -252,6 +252,10 @@ class CheckpointFormat:
 def detect(directory: str | Path) -> CheckpointFormat:
     """Read the config of a HF (`config.json`) or Mistral consolidated (`params.json`) directory."""
     d = Path(directory)
+    if d.is_file():
+        what = "a GGUF file (llama.cpp's)" if d.suffix == ".gguf" else "a file"
+        raise CheckpointError(f"{d}: {what}, not a checkpoint directory; give the directory that holds config.json "
+                              "(Hugging Face) or params.json (Mistral) and the safetensors files")
     if not d.is_dir():
         raise CheckpointError(f"{d}: checkpoint directory does not exist")
     if (d / "config.json").exists():

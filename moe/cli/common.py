@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from moe.checkpoint.files import resolve_checkpoint
 from moe.errors import USER_ERRORS, RankFailure
 from moe.parallel.devices import DEVICES
 from moe.parallel.distributed import DEFAULT_TIMEOUT_S, under_torchrun
@@ -20,6 +21,8 @@ def run_command(command: Callable[[argparse.Namespace], int], args: argparse.Nam
     debug = getattr(args, "debug", False)
     try:
         check_flags(args)
+        if getattr(args, "ckpt", None) is not None:  # a directory, or a Hub repository id in the local cache
+            args.ckpt = resolve_checkpoint(args.ckpt)
         return command(args)
     except KeyboardInterrupt:
         if debug:
@@ -97,7 +100,8 @@ def say_from(rank: int) -> Callable[..., None]:
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
     """--ckpt, --dtype, --gpus, --threads, --placement: how every inference command loads a model."""
-    ap.add_argument("--ckpt", required=True, help="checkpoint directory (Hugging Face or Mistral consolidated)")
+    ap.add_argument("--ckpt", required=True, help="checkpoint directory (Hugging Face or Mistral consolidated), or a "
+                    "Hub repository id (org/name) in the local Hugging Face cache")
     ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "int8"], default=None,
                     help="weights and activations dtype (default: the checkpoint's, else float32); int8: "
                          "int8 weights quantized at load (per output channel), bf16 activations")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moe.checkpoint.files import checkpoint_name
 from moe.host import name_this_thread, stacks_on_sigusr1
 from moe.memory import check_kv_cache
 from moe.parallel.distributed import DEFAULT_TIMEOUT_S
@@ -56,7 +57,7 @@ def serve(options: ServeOptions) -> int:
 
     stacks_on_sigusr1()
     rank = int(os.environ.get("RANK", "0"))
-    state = ServerState(options.served_model_name or os.path.basename(os.path.normpath(options.ckpt)),
+    state = ServerState(options.served_model_name or checkpoint_name(options.ckpt),
                         options.max_model_len or 0, options.max_body_bytes, options.api_key,
                         template_kwargs=dict(options.template_kwargs))
     http = _start_http(state, options) if rank == 0 else None
