@@ -27,7 +27,7 @@ def parser() -> argparse.ArgumentParser:
                                  description="Serve a mixture-of-experts model over OpenAI's HTTP API.")
     add_model_args(ap)
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     ap.add_argument("--attention", choices=["layer", "replicated", "tensor"], default="layer",
                     help="every block's attention (replicated: each rank attends the sequences it holds)")
     ap.add_argument("--experts", choices=["expert", "tensor", "layer"], default="expert", help="every block's experts")
@@ -38,7 +38,8 @@ def parser() -> argparse.ArgumentParser:
                     help="requests that may wait beyond the free slots; more get 503 at once")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
                     help="prompt tokens prefilled per step (a longer prompt: in chunks of this size, one a step)")
-    ap.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the folder's)")
+    ap.add_argument("--served-model-name", default=None,
+                    help="the model's name in the API (default: the folder's, or a Hub snapshot's org/name)")
     ap.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 and /tokenize")
     ap.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                     help="on SIGTERM, how long running requests may take to finish (default 30)")
