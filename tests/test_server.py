@@ -61,6 +61,23 @@ def test_token_prompts_stop_strings_and_logprobs(server, local):
     assert got["logprobs"]["token_logprobs"] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
 
 
+def test_n_choices_per_prompt_are_sequences_seeded_apart_in_openais_order(server, local):
+    """Choice i*n + j is prompt i's j-th sequence, sampled with seed + j; the prompts count once in the usage."""
+    client = server.client()
+    got = client.completions.create(model="austen", prompt=PROMPTS[:2], n=3, max_tokens=8, temperature=0.8, seed=7)
+    want = [local.generate([p], max_new_tokens=8, temperature=0.8, seed=7 + j)[0] for p in PROMPTS[:2]
+            for j in range(3)]
+    assert [c.index for c in got.choices] == list(range(6)) and [c.text for c in got.choices] == [str(w) for w in want]
+    assert len(set(got.choices[i].text for i in range(3))) > 1  # sampled apart
+    assert got.usage.prompt_tokens == want[0].prompt_tokens + want[3].prompt_tokens
+    chunks = client.completions.create(model="austen", prompt=PROMPTS[:2], n=3, max_tokens=8, temperature=0.8, seed=7,
+                                       stream=True)
+    texts = [""] * 6
+    for c in chunks:
+        texts[c.choices[0].index] += c.choices[0].text
+    assert texts == [str(w) for w in want]
+
+
 def test_twelve_concurrent_requests_equal_solo_ones(server, local):
     client = server.client()
     jobs = [(PROMPTS[i % len(PROMPTS)], 8 + i, 0.0 if i % 2 else 0.8, i) for i in range(12)]
@@ -90,7 +107,9 @@ BAD = [
     ({"prompt": "x", "logprobs": 99}, 400, "logprobs"),
     ({"prompt": "x", "stop": [""]}, 400, "stop"),
     ({"prompt": "x", "seed": "a"}, 400, "seed"),
-    ({"prompt": "x", "n": 2}, 400, "n"),
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "n": 1000}, 400, "n"),
+    ({"prompt": ["x"] * 100}, 400, "prompt"),
     ({"prompt": "x", "echo": True}, 400, "echo"),
     ({"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias"),
     ({"prompt": [1, 2, 10**9]}, 400, "prompt"),

@@ -5,6 +5,7 @@ loop's thread through an asyncio queue. A client that goes away cancels its sequ
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import time
@@ -16,6 +17,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from moe.chat.template import NoChatTemplate, end_of_turn_id, text_content
+from moe.generation.params import SEED_LIMIT
 from moe.serve import protocol
 from moe.serve.protocol import ApiError, log
 from moe.serve.scheduler import QueueFull, Request, Scheduler
@@ -144,22 +146,27 @@ class OpenAIServer:
             raise ApiError(400, "the prompt is empty: it has no tokens", "messages" if kind == "chat" else "prompt")
         parsed = [protocol.sampling(body, kind, len(p), self.state.max_model_len, turn_end, self.state.defaults)
                   for p in prompts]
+        scheduler = self.state.scheduler
+        n = protocol.choices_per_prompt(body, len(prompts), scheduler.max_num_seqs + scheduler.max_queue)
+        # choice i*n + j: prompt i's j-th sequence, seeded apart (seed + j), as OpenAI orders choices
+        rows = [(prompt, dataclasses.replace(p.params, seed=(p.params.seed + j) % SEED_LIMIT))
+                for prompt, p in zip(prompts, parsed, strict=True) for j in range(n)]
         loop, events, submitted = asyncio.get_running_loop(), asyncio.Queue(), []
-        try:  # every prompt's events reach this request's one queue, with the prompt's index
-            for i, (prompt, p) in enumerate(zip(prompts, parsed, strict=True)):
+        try:  # every sequence's events reach this request's one queue, with its choice's index
+            for i, (prompt, params) in enumerate(rows):
                 sink = functools.partial(post, loop, events, i)
-                submitted.append(self.state.scheduler.submit(Request(prompt, p.params, sink)))
+                submitted.append(scheduler.submit(Request(prompt, params, sink)))
         except QueueFull as e:
             for r in submitted:
                 self.state.scheduler.cancel(r)
             raise ApiError(503, str(e), kind="ServiceUnavailable", headers={"Retry-After": "1"}) from None
-        rid = protocol.new_id(kind)
+        rid, prompt_tokens = protocol.new_id(kind), sum(map(len, prompts))  # a prompt counts once, whatever n
         if parsed[0].stream:
-            return StreamingResponse(self.stream(kind, rid, submitted, events, parsed[0].include_usage),
+            return StreamingResponse(self.stream(kind, rid, submitted, events, parsed[0].include_usage, prompt_tokens),
                                      media_type="text/event-stream")
-        return await self.whole(request, kind, rid, submitted, events)
+        return await self.whole(request, kind, rid, submitted, events, prompt_tokens)
 
-    async def whole(self, request, kind, rid, submitted, events: asyncio.Queue) -> Response:
+    async def whole(self, request, kind, rid, submitted, events: asyncio.Queue, prompt_tokens: int) -> Response:
         pieces, entries, outs = [[] for _ in submitted], [[] for _ in submitted], [None] * len(submitted)
         try:
             while any(out is None for out in outs):
@@ -180,14 +187,14 @@ class OpenAIServer:
         choices = [protocol.choice(kind, i, "".join(pieces[i]), out,
                                    self.logprobs(kind, entries[i] if out.logprobs is not None else None), delta=False)
                    for i, out in enumerate(outs)]
-        use = protocol.usage(sum(len(r.prompt) for r in submitted), sum(len(out.tokens) for out in outs))
+        use = protocol.usage(prompt_tokens, sum(len(out.tokens) for out in outs))
         return JSONResponse(protocol.envelope(kind, rid, self.state.served, choices, False, use))
 
-    async def stream(self, kind, rid, submitted, events: asyncio.Queue, include_usage):
+    async def stream(self, kind, rid, submitted, events: asyncio.Queue, include_usage, prompt_tokens: int):
         open_rows, completion = len(submitted), 0
         try:
-            if kind == "chat":
-                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            for i in range(len(submitted)) if kind == "chat" else ():  # each choice's role first, as vLLM sends it
+                first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}
                 yield sse(protocol.envelope(kind, rid, self.state.served, [first], True))
             while open_rows:
@@ -207,7 +214,7 @@ class OpenAIServer:
                     yield sse(ApiError(status, event[1], kind="ServiceUnavailable").body())
                     open_rows -= 1
             if include_usage:
-                use = protocol.usage(sum(len(r.prompt) for r in submitted), completion)
+                use = protocol.usage(prompt_tokens, completion)
                 yield sse(protocol.envelope(kind, rid, self.state.served, [], True, use))
             yield "data: [DONE]\n\n"
         finally:  # finished, or the client went away: its sequences leave at the next step

@@ -61,9 +61,20 @@ def check_fields(body: object, kind: str, served: str) -> dict:
     if model is not None and model != served:
         raise ApiError(404, f"The model `{model}` does not exist (this server serves `{served}`)", "model",
                        "NotFoundError")
-    if body.get("n", 1) != 1:
-        raise ApiError(400, "n > 1 is not supported: send the request n times with different seeds", "n")
     return body
+
+
+def choices_per_prompt(body: dict, prompts: int, capacity: int) -> int:
+    """OpenAI's `n`: choices per prompt, each a sequence of its own; a request of more sequences than the server
+    ever holds at once (running and waiting) could never be taken."""
+    n = 1 if body.get("n") is None else body["n"]
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ApiError(400, f"n must be a positive integer, got {n!r}", "n")
+    if prompts * n > capacity:
+        raise ApiError(400, f"this request asks for {prompts * n} sequences ({prompts} prompt(s), n={n}); the server "
+                            f"holds at most {capacity} at once (--max-num-seqs + --max-queue)",
+                       "n" if n > 1 else "prompt")
+    return n
 
 
 def sampling(body: dict, kind: str, prompt_len: int, max_model_len: int, turn_end: int | None = None,
