@@ -212,7 +212,7 @@ class MoEModel:
                  seed: int | list[int] | None = None, streamer: Callable[[int, str | int], None] | None = None,
                  ignore_eos: bool = False, *, min_p: float | None = None, repetition_penalty: float | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, stop: str | list[str] | None = None,
-                 stop_token_ids: list[int] | None = None, logprobs: int | None = None,
+                 stop_token_ids: list[int] | None = None, logprobs: int | None = None, min_tokens: int = 0,
                  skip_special_tokens: bool = True) -> list[Completion] | list[TokenCompletion]:
         """A list of one result per prompt (a text or token ids, or a list of them, as vLLM takes them): a
         `Completion` (a `str`: the new text) for text prompts, a `TokenCompletion` (a `list` of the new ids) for
@@ -232,7 +232,8 @@ class MoEModel:
         params = self._sampling(max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                                 frequency_penalty=frequency_penalty, stop=stop, stop_token_ids=stop_token_ids,
-                                logprobs=logprobs, ignore_eos=ignore_eos, skip_special_tokens=skip_special_tokens)
+                                logprobs=logprobs, ignore_eos=ignore_eos, skip_special_tokens=skip_special_tokens,
+                                min_tokens=min_tokens)
         return self._generate(ids, params, seed, streamer, is_text)
 
     def _sampling(self, max_new_tokens: int, stop=None, stop_token_ids=None, **given) -> SamplingParams:

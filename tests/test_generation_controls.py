@@ -38,6 +38,20 @@ def test_repetition_penalty_greedy_equals_transformers(pair, penalty):
         assert list(out) == want
 
 
+def test_min_tokens_holds_back_the_end_as_transformers_min_new_tokens_does(pair):
+    """Each prompt's second greedy token made a stop token: it ends the answer at once, unless min_tokens holds it
+    (and end-of-sequence) back, as transformers' MinNewTokensLengthLogitsProcessor does."""
+    hf, model = pair
+    for prompt in PROMPTS:
+        stop = list(model.generate([prompt], max_new_tokens=4, temperature=0, ignore_eos=True)[0])[1]
+        assert len(model.generate([prompt], max_new_tokens=16, temperature=0, stop_token_ids=[stop])[0]) == 1
+        got = model.generate([prompt], max_new_tokens=16, temperature=0, stop_token_ids=[stop], min_tokens=6)[0]
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0,
+                               min_new_tokens=6, eos_token_id=[2, stop])[0, len(prompt):].tolist()
+        assert list(got) == (want[:-1] if want[-1] in (2, stop) else want) and len(got) >= 6  # theirs keep the end
+
+
 def test_presence_and_frequency_penalties_equal_a_step_by_step_reference(pair):
     hf, model = pair
     presence, frequency = 0.7, 0.4
@@ -140,6 +154,21 @@ def test_a_stop_string_across_tokens_ends_the_text_before_it(trained):
     assert "".join(streamed) == got  # held back at the piece boundary, never shown
     assert got.finish_reason == "stop" and got.stop_reason == stop
     assert got.token_ids == full.token_ids[:n + 1]  # the stop string's last token was generated
+
+
+def test_a_stop_string_is_looked_for_only_after_min_tokens(trained):
+    """As vLLM checks: the first occurrence that ends within the first min_tokens tokens' text does not stop the
+    answer; the next one, found after, does."""
+    full = trained.generate([PROMPT], max_new_tokens=40, temperature=0)[0]
+    prompt = trained.tokenizer.encode(PROMPT)
+    stop = " "  # in nearly every token's text
+    assert full.index(stop) < len(trained.tokenizer.decode_continuation(prompt, full.token_ids[:1]))
+    streamed = []
+    got = trained.generate([PROMPT], max_new_tokens=40, temperature=0, stop=[stop], min_tokens=5,
+                           streamer=lambda b, piece: streamed.append(piece))[0]
+    first5 = trained.tokenizer.decode_continuation(prompt, full.token_ids[:5])
+    assert got == full[:full.index(stop, len(first5) - len(stop) + 1)] == "".join(streamed)
+    assert got.finish_reason == "stop" and len(got.token_ids) > 5
 
 
 def test_stop_token_ids_end_without_the_token(trained):

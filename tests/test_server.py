@@ -59,6 +59,9 @@ def test_token_prompts_stop_strings_and_logprobs(server, local):
     got = server.post("/v1/completions", body).json()["choices"][0]
     assert got["text"] == want.text and got["finish_reason"] == "stop" and got["stop_reason"] == ","
     assert got["logprobs"]["token_logprobs"] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
+    held = local.generate([ids], max_new_tokens=16, temperature=0, stop=[" "], min_tokens=5)[0]  # vLLM's field
+    body = {"prompt": ids, "max_tokens": 16, "temperature": 0, "stop": [" "], "min_tokens": 5}
+    assert server.post("/v1/completions", body).json()["choices"][0]["text"] == held.text and len(held.token_ids) > 5
 
 
 def test_n_choices_per_prompt_are_sequences_seeded_apart_in_openais_order(server, local):
@@ -108,6 +111,7 @@ BAD = [
     ({"prompt": "x", "stop": [""]}, 400, "stop"),
     ({"prompt": "x", "seed": "a"}, 400, "seed"),
     ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
     ({"prompt": "x", "n": 1000}, 400, "n"),
     ({"prompt": ["x"] * 100}, 400, "prompt"),
     ({"prompt": "x", "echo": True}, 400, "echo"),

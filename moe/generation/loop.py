@@ -125,7 +125,7 @@ class Rows:
         self.out = [RowOutput(logprobs=[] if p.logprobs is not None else None) for p in params]
         if any(p.stop for p in params) and tokenizer is None:
             raise ValueError("stop strings need the checkpoint's tokenizer (tokenizer.json or tokenizer.model)")
-        self.texts = [StopText(tokenizer, prompt, p.stop, p.skip_special_tokens) if p.stop else None
+        self.texts = [StopText.of(tokenizer, prompt, p) if p.stop else None
                       for p, prompt in zip(params, prompts, strict=True)]
         self.top = top_logprobs(params)
         self.width = packed_width(self.top)
@@ -187,7 +187,7 @@ def generate_tokens(engine: Stepper, prompts: list[list[int]], params: SamplingP
     logits = engine.forward_last(tokens, 0)
     for step in range(steps):
         if logits is not None and sampler is None:  # the head's rank: it samples (on the logits' device)
-            sampler = Sampler(params, prompts, logits.shape[-1], logits.device)
+            sampler = Sampler(params, prompts, logits.shape[-1], logits.device, eos=eos)
         packed = (sampler(logits) if logits is not None
                   else torch.zeros(B, rows.width, dtype=torch.long, device=engine.device))
         host, stop, nxt = decide(engine, packed, should_stop)

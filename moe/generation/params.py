@@ -18,6 +18,8 @@ class SamplingParams:
     strings end the text right before the first one; `stop_token_ids` end it without the token. `logprobs=N`:
     the chosen token's log-probability and the N most likely tokens', from the model's raw distribution.
     `skip_special_tokens` leaves special tokens' text (e.g. `<|im_end|>`) out of the text, as vLLM does by default.
+    `min_tokens`: no end-of-sequence or stop token can be drawn, nor a stop string end the text, before this many
+    new tokens (vLLM's; transformers' `min_new_tokens`).
     `seed` drives this prompt's own random stream: its samples do not depend on the rest of the batch."""
 
     max_new_tokens: int = 64
@@ -34,10 +36,11 @@ class SamplingParams:
     logprobs: int | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         """A bad value is refused in one line naming it and its range, before any rank sees it."""
-        for name in ("max_new_tokens", "top_k", "seed"):
+        for name in ("max_new_tokens", "top_k", "seed", "min_tokens"):
             _integer(name, getattr(self, name))
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             _number(name, getattr(self, name))
@@ -52,6 +55,7 @@ class SamplingParams:
         _within("presence_penalty", self.presence_penalty, -2, 2, "in [-2, 2]")
         _within("frequency_penalty", self.frequency_penalty, -2, 2, "in [-2, 2]")
         _within("seed", self.seed, 0, SEED_LIMIT - 1, "in [0, 2**63)")
+        _within("min_tokens", self.min_tokens, 0, self.max_new_tokens, f"in [0, max_new_tokens={self.max_new_tokens}]")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         object.__setattr__(self, "stop", _stop_strings(self.stop))

@@ -77,8 +77,10 @@ def to_results(tokenizer: Tokenizer | None, prompts: list[list[int]], rows: list
                                                       for t, (lp, top) in zip(row.tokens, row.logprobs, strict=True)]
         text = None
         if tokenizer is not None:
-            text, _ = cut_at_stop(tokenizer.decode_continuation(prompt, row.tokens, params.skip_special_tokens),
-                                  params.stop)
+            text = tokenizer.decode_continuation(prompt, row.tokens, params.skip_special_tokens)
+            unchecked = params.stop and params.min_tokens and \
+                len(tokenizer.decode_continuation(prompt, row.tokens[:params.min_tokens], params.skip_special_tokens))
+            text, _ = cut_at_stop(text, params.stop, unchecked or 0)
         fields = (row.tokens, row.finish_reason, row.stop_reason, logprobs, len(prompt), seed)
         out.append(Completion(text, *fields) if is_text else TokenCompletion(*fields, text=text))
     return out

@@ -18,9 +18,10 @@ from moe.generation.params import SamplingParams
 class Sampler:
     def __init__(self, params: list[SamplingParams], prompts: list[list[int]], vocab_size: int,
                  device: torch.device, outputs: list[list[int]] | None = None,
-                 generators: list[torch.Generator | None] | None = None) -> None:
-        """`outputs`: tokens each row generated so far (for the penalties), `generators`: rows' streams that
-        already drew (a server's sequences, resumed in a new batch); fresh ones are seeded from the params."""
+                 generators: list[torch.Generator | None] | None = None, eos: tuple[int, ...] = ()) -> None:
+        """`outputs`: tokens each row generated so far (for the penalties and `min_tokens`), `generators`: rows'
+        streams that already drew (a server's sequences, resumed in a new batch); fresh ones are seeded from the
+        params. `eos`: the ids that end a sequence, which `min_tokens` holds back."""
         self.params, self.device, B = params, device, len(params)
 
         def column(name: str, dtype=torch.float32) -> torch.Tensor:
@@ -50,10 +51,12 @@ class Sampler:
                     self.counts_BV[b].index_add_(0, torch.tensor(output, device=device), torch.ones(len(output),
                                                                                                      device=device))
             self.presence, self.frequency = column("presence_penalty"), column("frequency_penalty")
+        self.ban_BV, self.min_left_B = held_back(params, outputs, eos, vocab_size, device)
         self.top = top_logprobs(params)
         # every row greedy with nothing to adjust or report: the argmax alone, two ops where the general path takes
         # five (a step's weights have just pushed torch's code out of the caches: each costs 5-15 us on a CPU)
-        self.argmax_only = not self.sampled and self.repetition is None and self.counts_BV is None and self.top is None
+        self.argmax_only = not self.sampled and self.repetition is None and self.counts_BV is None and \
+            self.top is None and self.ban_BV is None
 
     def __call__(self, logits_BV: torch.Tensor) -> torch.Tensor:
         """[B, packed_width(top_logprobs)] int64: the next token of each row, and its log-probabilities when asked."""
@@ -73,6 +76,8 @@ class Sampler:
         return torch.cat([tokens_B[:, None], bits, top.indices], dim=1)
 
     def penalise(self, logits_BV: torch.Tensor) -> torch.Tensor:
+        if self.ban_BV is not None:  # rows short of their min_tokens: no end yet
+            logits_BV = logits_BV.masked_fill(self.ban_BV & (self.min_left_B > 0)[:, None], float("-inf"))
         if self.seen_BV is not None:
             scaled = torch.where(logits_BV > 0, logits_BV / self.repetition, logits_BV * self.repetition)
             logits_BV = torch.where(self.seen_BV, scaled, logits_BV)
@@ -108,11 +113,28 @@ class Sampler:
         return sorted_BV, order_BV
 
     def update(self, tokens_B: torch.Tensor) -> None:
-        """The step's shared tokens join each row's history (for the penalties)."""
+        """The step's shared tokens join each row's history (for the penalties and `min_tokens`)."""
+        if self.min_left_B is not None:
+            self.min_left_B.sub_(1).clamp_(min=0)
         if self.seen_BV is not None:
             self.seen_BV.scatter_(1, tokens_B[:, None], True)
         if self.counts_BV is not None:
             self.counts_BV.scatter_add_(1, tokens_B[:, None], torch.ones_like(tokens_B[:, None], dtype=torch.float32))
+
+
+def held_back(params: list[SamplingParams], outputs: list[list[int]], eos: tuple[int, ...], vocab_size: int,
+              device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """For rows with `min_tokens`: the ids they may not draw yet ([B, V]: their stop tokens, and the end-of-sequence
+    ids unless `ignore_eos`, as vLLM's), and how many tokens each has still to make; (None, None) where no row
+    asks."""
+    if not any(p.min_tokens for p in params):
+        return None, None
+    ban_BV = torch.zeros(len(params), vocab_size, dtype=torch.bool)
+    for b, p in enumerate(params):
+        ids = [i for i in (*p.stop_token_ids, *(() if p.ignore_eos else eos)) if 0 <= i < vocab_size]
+        ban_BV[b, ids] = bool(p.min_tokens)
+    left = [max(0, p.min_tokens - len(out)) for p, out in zip(params, outputs, strict=True)]
+    return ban_BV.to(device), torch.tensor(left, dtype=torch.long, device=device)
 
 
 def top_logprobs(params: list[SamplingParams]) -> int | None:

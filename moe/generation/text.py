@@ -15,19 +15,26 @@ from moe.tokenizer import IncrementalDecoder, Tokenizer
 
 class StopText:
     def __init__(self, tokenizer: Tokenizer, prompt: list[int], stops: tuple[str, ...],
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
         self.decoder = IncrementalDecoder(tokenizer, prompt, skip_special_tokens)
         self.stops, self.hold = stops, max((len(s) for s in stops), default=1) - 1
         self.text, self.emitted, self.searched = "", 0, 0
         self.hit: str | None = None
+        self.unchecked = min_tokens  # tokens whose text no stop string may end (vLLM's min_tokens)
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer, prompt: list[int], params: SamplingParams) -> StopText:
+        return cls(tokenizer, prompt, params.stop, params.skip_special_tokens, params.min_tokens)
 
     def push(self, token: int) -> str:
         """Text to stream after `token` (maybe ""); `self.hit` is the stop string once one is found."""
         if self.hit is not None:
             return ""
         self.text += self.decoder.push(token)
-        start = max(0, self.searched - self.hold)
-        found = [(i, s) for s in self.stops if (i := self.text.find(s, start)) >= 0]
+        # each stop string where it may end in the new text; none before min_tokens tokens (as vLLM checks)
+        found = [(i, s) for s in self.stops if (i := self.text.find(s, max(0, self.searched - len(s) + 1))) >= 0] \
+            if self.unchecked <= 0 else []
+        self.unchecked -= 1
         self.searched = len(self.text)
         if found:
             at, self.hit = min(found)
@@ -46,9 +53,10 @@ class StopText:
         return piece
 
 
-def cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str | None]:
-    """`text` up to the first stop string, and that string (None if none occurs)."""
-    found = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+def cut_at_stop(text: str, stops: tuple[str, ...], unchecked: int = 0) -> tuple[str, str | None]:
+    """`text` up to the first stop string that ends past its first `unchecked` characters (the text of the first
+    min_tokens tokens, where none is looked for), and that string (None if none occurs)."""
+    found = [(i, s) for s in stops if (i := text.find(s, max(0, unchecked - len(s) + 1))) >= 0]
     if not found:
         return text, None
     at, stop = min(found)
@@ -61,8 +69,7 @@ class TextStreams:
     def __init__(self, tokenizer: Tokenizer | None, prompts: list[list[int]], params: SamplingParams,
                  streamer: Callable[[int, str | int], None], is_text: bool) -> None:
         self.streamer = streamer
-        self.texts = [StopText(tokenizer, p, params.stop, params.skip_special_tokens) for p in prompts] \
-            if is_text else None
+        self.texts = [StopText.of(tokenizer, p, params) for p in prompts] if is_text else None
 
     def on_token(self, b: int, token: int) -> None:
         if self.texts is None:

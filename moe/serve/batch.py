@@ -49,8 +49,8 @@ class Prefill:
 
 
 class RunningBatch:
-    def __init__(self, engine, length: int) -> None:
-        self.engine, self.length = engine, length
+    def __init__(self, engine, length: int, eos: tuple[int, ...] = ()) -> None:
+        self.engine, self.length, self.eos = engine, length, eos
         self.rows: list[Row] = []
         self.prefills: list[Prefill] = []
         self.pad: list[int] = []  # per row, the cache column its sequence begins at
@@ -168,7 +168,7 @@ class RunningBatch:
             if row.generator is None and not row.params.greedy:
                 row.generator = torch.Generator(device=logits.device).manual_seed(row.params.seed)
         sampler = Sampler([r.params for r in rows], [r.prompt for r in rows], logits.shape[-1], logits.device,
-                          outputs=[r.generated for r in rows], generators=[r.generator for r in rows])
+                          outputs=[r.generated for r in rows], generators=[r.generator for r in rows], eos=self.eos)
         if rows is self.rows:
             self.sampler = sampler
         return sampler(logits)

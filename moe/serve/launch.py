@@ -97,7 +97,7 @@ def serve(options: ServeOptions) -> int:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         dist = getattr(model.engine, "dist", None)
         try:
-            EngineLoop(model.engine, dist, length, scheduler, options.token_budget).run()
+            EngineLoop(model.engine, dist, length, scheduler, options.token_budget, model.eos_ids).run()
         except BaseException as e:
             state.dead = f"a rank failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
             if scheduler is not None:

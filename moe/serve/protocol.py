@@ -17,7 +17,7 @@ log = logging.getLogger("moe.serve")
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "stream", "stream_options", "ignore_eos",
-          "n", "user", "logprobs", "skip_special_tokens"}
+          "n", "user", "logprobs", "skip_special_tokens", "min_tokens"}
 FIELDS = {"completions": COMMON | {"prompt"},
           "chat": COMMON | {"messages", "top_logprobs", "max_completion_tokens", "chat_template_kwargs"},
           "tokenize": {"model", "prompt", "messages", "add_special_tokens", "chat_template_kwargs"},
@@ -25,7 +25,7 @@ FIELDS = {"completions": COMMON | {"prompt"},
 REFUSED = ("echo", "suffix", "best_of", "logit_bias", "tools", "tool_choice", "functions", "function_call",
            "response_format", "parallel_tool_calls", "audio", "modalities", "prediction")
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-            "repetition_penalty", "ignore_eos", "skip_special_tokens")
+            "repetition_penalty", "ignore_eos", "skip_special_tokens", "min_tokens")
 
 
 class ApiError(Exception):

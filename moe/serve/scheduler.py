@@ -73,8 +73,7 @@ class Scheduler:
                 raise QueueFull(f"the queue is full ({len(self.waiting)} waiting, {len(self.running)} running)")
             request.id = next(self.ids)
             request.out.logprobs = [] if request.params.logprobs is not None else None
-            params = request.params
-            request.text = StopText(self.tokenizer, request.prompt, params.stop, params.skip_special_tokens)
+            request.text = StopText.of(self.tokenizer, request.prompt, request.params)
             self.waiting.append(request)
         self.wake.set()
         return request
