@@ -187,3 +187,87 @@ def test_content_parts_are_joined_for_a_template_of_strings_and_kept_for_one_tha
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     with pytest.raises(ValueError, match="message 0: a content part of type 'image_url' is not supported"):
         text_content(image, CHATML)
+
+
+# An agent template in the manner of recent Qwen ones (written here): a macro over content parts, a namespace found
+# walking the messages backwards, tool calls with arguments as a mapping, tool results grouped with previtem and
+# nextitem, thinking split off the assistant's content
+AGENT = """{%- macro text_of(content) -%}
+{%- if content is string -%}{{ content }}
+{%- elif content is iterable and content is not mapping -%}{% for part in content %}{{ part.text }}{% endfor %}
+{%- elif content is none -%}
+{%- else -%}{{ raise_exception('content must be text or parts') }}{%- endif -%}
+{%- endmacro -%}
+{%- if tools -%}<|im_start|>system
+Tools:{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+{% if messages[0].role == 'system' %}{{ text_of(messages[0].content) | trim }}{% endif %}<|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ text_of(messages[0].content) | trim }}<|im_end|>
+{% endif -%}
+{%- set ns = namespace(last_user=messages | length - 1) -%}
+{%- for m in messages[::-1] -%}
+{%- if m.role == 'user' -%}{%- set ns.last_user = (messages | length - 1) - loop.index0 -%}{%- break -%}{%- endif -%}
+{%- endfor -%}
+{%- for m in messages -%}
+{%- set content = text_of(m.content) | trim -%}
+{%- if m.role == 'system' -%}{% if not loop.first %}{{ raise_exception('system comes first') }}{% endif %}
+{%- elif m.role == 'user' -%}<|im_start|>user
+{{ content }}<|im_end|>
+{% elif m.role == 'assistant' -%}
+{%- set thought = m.reasoning_content if m.reasoning_content is string else '' -%}
+{%- if '</think>' in content -%}
+{%- set thought = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') -%}
+{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}
+{%- endif -%}
+<|im_start|>assistant
+{% if loop.index0 > ns.last_user %}<think>
+{{ thought | trim }}
+</think>
+
+{% endif %}{{ content }}
+{%- for call in m.tool_calls or [] -%}
+{%- set call = call.function if call.function is defined else call -%}
+<tool_call name="{{ call.name }}">{% for key, value in call.arguments | items %}
+<arg name="{{ key }}">{{ value | tojson if value is mapping or (value is sequence and value is not string)
+else value }}</arg>
+{%- endfor %}</tool_call>
+{%- endfor -%}
+<|im_end|>
+{% elif m.role == 'tool' -%}
+{%- if loop.previtem and loop.previtem.role != 'tool' %}<|im_start|>user{% endif %}
+<result>{{ content }}</result>
+{%- if loop.last or loop.nextitem.role != 'tool' %}<|im_end|>
+{% endif -%}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
+
+AGENT_CONVERSATION = [
+    {"role": "system", "content": "  Be brief.  "},
+    {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Paris?"}]},
+    {"role": "assistant", "content": "<think>\nlook it up\n</think>\n\nLet me check.",
+     "tool_calls": [{"type": "function", "function": {"name": "weather",
+                                                      "arguments": {"city": "Paris", "days": [1, 2], "unit": "C"}}}]},
+    {"role": "tool", "content": "18 C"}, {"role": "tool", "content": "rain"},
+    {"role": "assistant", "content": "18 C and rain.", "reasoning_content": "two results"},
+    {"role": "user", "content": "Thanks"}]
+
+
+@pytest.mark.parametrize("extra", [{}, {"enable_thinking": False},
+                                   {"tools": [{"type": "function", "function": {"name": "weather"}}]}],
+                         ids=["plain", "no-thinking", "tools"])
+def test_an_agent_template_with_tool_calls_and_results_renders_as_in_transformers(tmp_path, extra):
+    ours, theirs = both(checkpoint(tmp_path, template_config=AGENT))
+    for messages in (AGENT_CONVERSATION, AGENT_CONVERSATION[:5]):
+        kw = dict(add_generation_prompt=True, **extra)
+        text = ours.tokenizer.apply_chat_template(messages, tokenize=False, **kw)
+        assert text == theirs.apply_chat_template(messages, tokenize=False, **kw)
+        assert ours.tokenizer.apply_chat_template(messages, return_dict=False, **kw) == \
+            theirs.apply_chat_template(messages, return_dict=False, **kw)
+    assert '<arg name="days">[1, 2]</arg>' in text and "<result>18 C</result><result>rain</result><|im_end|>" in text
