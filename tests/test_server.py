@@ -58,6 +58,8 @@ def test_token_prompts_stop_strings_and_logprobs(server, local):
     body = {"prompt": ids, "max_tokens": 16, "temperature": 0, "stop": [","], "logprobs": 2}
     got = server.post("/v1/completions", body).json()["choices"][0]
     assert got["text"] == want.text and got["finish_reason"] == "stop" and got["stop_reason"] == ","
+    kept = server.post("/v1/completions", body | {"include_stop_str_in_output": True}).json()["choices"][0]
+    assert kept["text"] == want.text + "," and kept["stop_reason"] == ","  # vLLM's field
     assert got["logprobs"]["token_logprobs"] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
     held = local.generate([ids], max_new_tokens=16, temperature=0, stop=[" "], min_tokens=5)[0]  # vLLM's field
     body = {"prompt": ids, "max_tokens": 16, "temperature": 0, "stop": [" "], "min_tokens": 5}
@@ -116,6 +118,7 @@ BAD = [
     ({"prompt": ["x"] * 100}, 400, "prompt"),
     ({"prompt": "x", "echo": True}, 400, "echo"),
     ({"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ({"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json"),  # vLLM's, not served here
     ({"prompt": [1, 2, 10**9]}, 400, "prompt"),
     ({"prompt": 5}, 400, "prompt"),
     ({"prompt": "x", "model": "nope"}, 404, "model"),

@@ -61,6 +61,10 @@ def test_chat_template_kwargs_default_from_the_command_line_and_the_requests_win
         got = server.post("/tokenize", {"messages": messages} | given, headers=headers).json()["tokens"]
         assert got == tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False,
                                                     enable_thinking=thinking)
+    closed = server.post("/tokenize", {"messages": messages, "add_generation_prompt": False}, headers=headers)
+    assert closed.json()["tokens"] == tokenizer.apply_chat_template(messages, return_dict=False)  # vLLM's field
+    bad = server.post("/v1/chat/completions", {"messages": messages, "add_generation_prompt": 1}, headers=headers)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "add_generation_prompt"
     for bad, why in (("x", "must be an object"), ([1], "must be an object"), (0, "must be an object"),
                      ({"messages": []}, "may not set messages")):
         response = server.post("/v1/chat/completions", {"messages": messages, "chat_template_kwargs": bad},

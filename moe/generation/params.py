@@ -19,7 +19,8 @@ class SamplingParams:
     the chosen token's log-probability and the N most likely tokens', from the model's raw distribution.
     `skip_special_tokens` leaves special tokens' text (e.g. `<|im_end|>`) out of the text, as vLLM does by default.
     `min_tokens`: no end-of-sequence or stop token can be drawn, nor a stop string end the text, before this many
-    new tokens (vLLM's; transformers' `min_new_tokens`).
+    new tokens (vLLM's; transformers' `min_new_tokens`). `include_stop_str_in_output` ends the text after the stop
+    string rather than before it (vLLM's).
     `seed` drives this prompt's own random stream: its samples do not depend on the rest of the batch."""
 
     max_new_tokens: int = 64
@@ -37,6 +38,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     min_tokens: int = 0
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         """A bad value is refused in one line naming it and its range, before any rank sees it."""
@@ -63,7 +65,7 @@ class SamplingParams:
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs)
             _within("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

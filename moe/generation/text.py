@@ -15,16 +15,18 @@ from moe.tokenizer import IncrementalDecoder, Tokenizer
 
 class StopText:
     def __init__(self, tokenizer: Tokenizer, prompt: list[int], stops: tuple[str, ...],
-                 skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
+                 skip_special_tokens: bool = True, min_tokens: int = 0, keep_stop: bool = False) -> None:
         self.decoder = IncrementalDecoder(tokenizer, prompt, skip_special_tokens)
         self.stops, self.hold = stops, max((len(s) for s in stops), default=1) - 1
         self.text, self.emitted, self.searched = "", 0, 0
         self.hit: str | None = None
         self.unchecked = min_tokens  # tokens whose text no stop string may end (vLLM's min_tokens)
+        self.keep_stop = keep_stop  # the text ends after the stop string (vLLM's include_stop_str_in_output)
 
     @classmethod
     def of(cls, tokenizer: Tokenizer, prompt: list[int], params: SamplingParams) -> StopText:
-        return cls(tokenizer, prompt, params.stop, params.skip_special_tokens, params.min_tokens)
+        return cls(tokenizer, prompt, params.stop, params.skip_special_tokens, params.min_tokens,
+                   params.include_stop_str_in_output)
 
     def push(self, token: int) -> str:
         """Text to stream after `token` (maybe ""); `self.hit` is the stop string once one is found."""
@@ -38,7 +40,7 @@ class StopText:
         self.searched = len(self.text)
         if found:
             at, self.hit = min(found)
-            self.text = self.text[:at]
+            self.text = self.text[:at + len(self.hit) if self.keep_stop else at]
             return self.rest()
         end = max(self.emitted, len(self.text) - self.hold)
         piece, self.emitted = self.text[self.emitted:end], end
@@ -53,14 +55,16 @@ class StopText:
         return piece
 
 
-def cut_at_stop(text: str, stops: tuple[str, ...], unchecked: int = 0) -> tuple[str, str | None]:
+def cut_at_stop(text: str, stops: tuple[str, ...], unchecked: int = 0, keep_stop: bool = False
+                ) -> tuple[str, str | None]:
     """`text` up to the first stop string that ends past its first `unchecked` characters (the text of the first
-    min_tokens tokens, where none is looked for), and that string (None if none occurs)."""
+    min_tokens tokens, where none is looked for), or through it where `keep_stop`, and that string (None if none
+    occurs)."""
     found = [(i, s) for s in stops if (i := text.find(s, max(0, unchecked - len(s) + 1))) >= 0]
     if not found:
         return text, None
     at, stop = min(found)
-    return text[:at], stop
+    return text[:at + len(stop) if keep_stop else at], stop
 
 
 class TextStreams:

@@ -113,10 +113,10 @@ class OpenAIServer:
         return await self.run(request, "chat", body, [self.chat_ids(body)], turn_end)
 
     def chat_ids(self, body: dict) -> list[int]:
-        switches = protocol.template_kwargs(body, self.state.template_kwargs)
+        switches, opens = protocol.template_kwargs(body, self.state.template_kwargs), protocol.generation_prompt(body)
         try:
             messages = text_content(body.get("messages"), self.state.tokenizer.chat_template())
-            return self.state.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False,
+            return self.state.tokenizer.apply_chat_template(messages, add_generation_prompt=opens, return_dict=False,
                                                             **switches)
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None

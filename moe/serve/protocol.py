@@ -17,15 +17,20 @@ log = logging.getLogger("moe.serve")
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "stream", "stream_options", "ignore_eos",
-          "n", "user", "logprobs", "skip_special_tokens", "min_tokens"}
+          "n", "user", "logprobs", "skip_special_tokens", "min_tokens", "include_stop_str_in_output"}
 FIELDS = {"completions": COMMON | {"prompt"},
-          "chat": COMMON | {"messages", "top_logprobs", "max_completion_tokens", "chat_template_kwargs"},
-          "tokenize": {"model", "prompt", "messages", "add_special_tokens", "chat_template_kwargs"},
+          "chat": COMMON | {"messages", "top_logprobs", "max_completion_tokens", "chat_template_kwargs",
+                            "add_generation_prompt"},
+          "tokenize": {"model", "prompt", "messages", "add_special_tokens", "chat_template_kwargs",
+                       "add_generation_prompt"},
           "detokenize": {"model", "tokens"}}
+# OpenAI's fields this server does not support, and vLLM's that would change an answer: refused by name
 REFUSED = ("echo", "suffix", "best_of", "logit_bias", "tools", "tool_choice", "functions", "function_call",
-           "response_format", "parallel_tool_calls", "audio", "modalities", "prediction")
+           "response_format", "parallel_tool_calls", "audio", "modalities", "prediction", "prompt_logprobs",
+           "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "bad_words",
+           "allowed_token_ids", "continue_final_message", "truncate_prompt_tokens", "logits_processors")
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-            "repetition_penalty", "ignore_eos", "skip_special_tokens", "min_tokens")
+            "repetition_penalty", "ignore_eos", "skip_special_tokens", "min_tokens", "include_stop_str_in_output")
 
 
 class ApiError(Exception):
@@ -127,6 +132,14 @@ def template_kwargs(body: dict, defaults: dict) -> dict:
         return defaults | check_switches({} if given is None else given)
     except ValueError as e:
         raise ApiError(400, f"chat_template_kwargs {e}", "chat_template_kwargs") from None
+
+
+def generation_prompt(body: dict) -> bool:
+    """vLLM's `add_generation_prompt` (default true): the template opens the assistant's turn."""
+    value = body.get("add_generation_prompt", True)
+    if not isinstance(value, bool):
+        raise ApiError(400, f"add_generation_prompt must be true or false, got {value!r}", "add_generation_prompt")
+    return value
 
 
 def logprob_count(body: dict, kind: str) -> int | None:
