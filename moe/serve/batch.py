@@ -79,7 +79,10 @@ class RunningBatch:
             kept = set(keep)
             local = torch.tensor([j for j, g in enumerate(mine) if g in kept], dtype=torch.long,
                                  device=self.engine.device)
-        self._recache(lambda name, c: _rows(c, local if name in self.split else index), keep)
+        if keep:
+            self._recache(lambda name, c: _rows(c, local if name in self.split else index))
+        else:
+            self.engine.caches = {}
         self.rows, self.pad = [self.rows[i] for i in keep], [self.pad[i] for i in keep]
         self._keep_homes([self.homes[i] for i in keep] if self.split else [])
         self.sampler = self.last_B = None
@@ -214,12 +217,12 @@ class RunningBatch:
             self.homes = homes
             self.engine.set_homes(homes)
 
-    def _recache(self, change, keep: bool | list = True) -> None:
+    def _recache(self, change) -> None:
         """Each block's cache replaced by `change(name, cache)` in turn, the old one let go before the next is made
         (the engine first lets go of the old caches): a join or a leave holds one block's rows twice at most, where
         a second copy of every block's was twice the KV memory at each join."""
         old, self.engine.caches = self.engine.caches, {}
-        self.engine.caches = {name: change(name, old.pop(name)) for name in list(old)} if keep else {}
+        self.engine.caches = {name: change(name, old.pop(name)) for name in list(old)}
 
     def _set_padding(self) -> None:
         self.engine.padding = Padding.of(torch.tensor(self.pad, dtype=torch.long), self.engine.device)
