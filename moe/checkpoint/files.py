@@ -136,7 +136,7 @@ def resolve_checkpoint(path: str | Path) -> str | Path:
     if Path(given).exists() or not _repo_id(given):
         return path
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.utils import LocalEntryNotFoundError
 
     try:
         found = snapshot_download(given, local_files_only=True)
@@ -148,8 +148,7 @@ def resolve_checkpoint(path: str | Path) -> str | Path:
 
 
 def _repo_id(text: str) -> bool:
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
         validate_repo_id(text)
