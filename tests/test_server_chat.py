@@ -139,3 +139,26 @@ def test_a_request_without_sampling_values_takes_generation_configs(chat_server)
                                   template_kwargs=NO_THINKING))
                    for seed in (3, 4)]
     assert got == want and got != openais
+
+
+def test_a_reply_that_ends_its_turn_has_no_stop_reason_unless_the_request_named_that_id(tmp_path):
+    """The template's end of turn ends a reply as an end-of-sequence id does: stop_reason null, as `model.chat`
+    says it and vLLM (which reads it as an EOS); a request that names the id among its stop_token_ids gets it."""
+    from tests.test_chat_template import steer_towards
+
+    path = checkpoint(tmp_path, template_config=CHATML)
+    messages = [{"role": "user", "content": "Who is Emma?"}]
+    with MoEModel.from_pretrained(path) as model:
+        end = model.tokenizer.encode_special("<|im_end|>")[0]
+        prompt = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        free = model.generate([prompt], max_new_tokens=12, ignore_eos=True, temperature=0)[0]
+    steer_towards(path, end, free.token_ids[4])
+    with MoEModel.from_pretrained(path) as model:
+        want = model.chat(messages, max_new_tokens=12, temperature=0)
+    assert want.finish_reason == "stop" and want.stop_reason is None and len(want.token_ids) < 12
+    with Server(path) as server:
+        body = {"messages": messages, "max_tokens": 12, "temperature": 0}
+        got = server.post("/v1/chat/completions", body).json()["choices"][0]
+        named = server.post("/v1/chat/completions", body | {"stop_token_ids": [end]}).json()["choices"][0]
+    assert got["message"]["content"] == str(want) and (got["finish_reason"], got["stop_reason"]) == ("stop", None)
+    assert named["message"]["content"] == str(want) and named["stop_reason"] == end

@@ -151,11 +151,12 @@ class OpenAIServer:
         # choice i*n + j: prompt i's j-th sequence, seeded apart (seed + j), as OpenAI orders choices
         rows = [(prompt, dataclasses.replace(p.params, seed=(p.params.seed + j) % SEED_LIMIT))
                 for prompt, p in zip(prompts, parsed, strict=True) for j in range(n)]
+        quiet = turn_end if turn_end not in (body.get("stop_token_ids") or []) else None
         loop, events, submitted = asyncio.get_running_loop(), asyncio.Queue(), []
         try:  # every sequence's events reach this request's one queue, with its choice's index
             for i, (prompt, params) in enumerate(rows):
                 sink = functools.partial(post, loop, events, i)
-                submitted.append(scheduler.submit(Request(prompt, params, sink)))
+                submitted.append(scheduler.submit(Request(prompt, params, sink, quiet_stop=quiet)))
         except QueueFull as e:
             for r in submitted:
                 self.state.scheduler.cancel(r)

@@ -37,6 +37,9 @@ class Request:
     first_token: float | None = None
     last_token: float | None = None
     cancelled: bool = False
+    # the chat template's end of turn where the request did not name it a stop id: it ends the answer as an
+    # end-of-sequence id does, stop_reason null (as `model.chat` says, and vLLM, which reads it as an EOS)
+    quiet_stop: int | None = None
 
 
 @dataclass
@@ -147,6 +150,8 @@ class Scheduler:
                 entry = request.out.logprobs[-1] if request.out.logprobs else None
                 request.sink(("token", row[0], piece, entry))
             if request.out.finish_reason is not None:
+                if request.quiet_stop is not None and request.out.stop_reason == request.quiet_stop:
+                    request.out.stop_reason = None
                 if rest := request.text.rest():
                     request.sink(("token", None, rest, None))
                 request.sink(("end", request.out))
