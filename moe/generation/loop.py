@@ -49,9 +49,9 @@ def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, t
     return tokens, pad
 
 
-def batch_of_prompts(prompts: object) -> tuple[list[str] | list[list[int]], bool]:
-    """`generate`'s prompts as vLLM's `LLM.generate` and OpenAI's `prompt` take them (a text, texts, token ids,
-    lists of them) as a batch, and whether it is text; anything else is refused naming what it got."""
+def prompt_batch(prompts: object) -> tuple[list[str] | list[list[int]], bool]:
+    """Prompts as vLLM's `LLM.generate` and OpenAI's `prompt` take them (a text, texts, token ids, lists of them) as
+    a batch, and whether it is text; anything else is refused naming what it got (the server's and `generate`'s)."""
     def ids(p: object) -> bool:
         return isinstance(p, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
 
@@ -60,9 +60,6 @@ def batch_of_prompts(prompts: object) -> tuple[list[str] | list[list[int]], bool
     elif ids(prompts) and prompts:
         prompts = [list(prompts)]
     if isinstance(prompts, list) and all(isinstance(p, str) for p in prompts):
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompt {i} is empty")
         return prompts, bool(prompts)
     if isinstance(prompts, list) and all(ids(p) for p in prompts):
         return [list(p) for p in prompts], False
@@ -70,6 +67,15 @@ def batch_of_prompts(prompts: object) -> tuple[list[str] | list[list[int]], bool
     hint = " (a tensor of ids: pass .tolist())" if hasattr(prompts, "tolist") else ""
     raise TypeError(f"prompts must be a text, a list of texts, a list of token ids, or a list of such lists; got "
                     f"{'a list of ' if isinstance(prompts, list) else ''}{' and '.join(kinds)}{hint}")
+
+
+def batch_of_prompts(prompts: object) -> tuple[list[str] | list[list[int]], bool]:
+    """`generate`'s prompts as a batch (`prompt_batch`), no text empty."""
+    prompts, is_text = prompt_batch(prompts)
+    for i, p in enumerate(prompts if is_text else ()):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+    return prompts, is_text
 
 
 def check_prompts(prompts: list[list[int]], vocab_size: int, context: int) -> None:

@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from moe.chat.template import NoChatTemplate, end_of_turn_id, text_content
+from moe.generation.loop import prompt_batch
 from moe.generation.params import SEED_LIMIT
 from moe.serve import protocol
 from moe.serve.protocol import ApiError, log
@@ -122,13 +123,15 @@ class OpenAIServer:
             raise ApiError(400, str(e), "messages") from None
 
     def prompts_of(self, prompt: object) -> list[list[int]]:
-        if isinstance(prompt, str):
-            return [self.state.tokenizer.encode(prompt)]
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            return [self.state.tokenizer.encode(p) for p in prompt]
-        if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-            return [self.token_ids(p, "prompt") for p in prompt]
-        return [self.token_ids(prompt, "prompt")]
+        try:
+            prompts, is_text = prompt_batch(prompt)  # the forms `generate` takes
+        except TypeError as e:
+            raise ApiError(400, str(e), "prompt") from None
+        if not prompts:
+            raise ApiError(400, "prompt must be a string, a list of strings, or (lists of) token ids", "prompt")
+        if is_text:
+            return [self.state.tokenizer.encode(p) for p in prompts]
+        return [self.token_ids(p, "prompt") for p in prompts]
 
     def token_ids(self, value: object, param: str) -> list[int]:
         if not isinstance(value, list) or not value or not all(isinstance(t, int) and not isinstance(t, bool)
@@ -159,7 +162,7 @@ class OpenAIServer:
                 submitted.append(scheduler.submit(Request(prompt, params, sink, quiet_stop=quiet)))
         except QueueFull as e:
             for r in submitted:
-                self.state.scheduler.cancel(r)
+                scheduler.cancel(r)
             raise ApiError(503, str(e), kind="ServiceUnavailable", headers={"Retry-After": "1"}) from None
         rid, prompt_tokens = protocol.new_id(kind), sum(map(len, prompts))  # a prompt counts once, whatever n
         if parsed[0].stream:
