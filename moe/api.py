@@ -27,7 +27,7 @@ from moe.engine.base import Engine
 from moe.engine.build import build_model
 from moe.engine.layouts import check_options, compilable_plan
 from moe.engine.local import LocalEngine
-from moe.errors import USER_ERRORS, RankFailure
+from moe.errors import USER_ERRORS, RankFailure, first_line
 from moe.generation import SamplingParams, check_prompts
 from moe.generation.loop import batch_of_prompts
 from moe.generation.params import SEED_LIMIT, per_prompt_seeds
@@ -176,9 +176,8 @@ class MoEModel:
             except USER_ERRORS as e:
                 if dist is None or dist.collectives == entered or getattr(e, "agreed_by_all_ranks", False):
                     raise
-                line = str(e).splitlines()[0] if str(e) else ""
                 self._broken = (f"rank {self.info.rank} raised {type(e).__name__} after the call's first collective: "
-                                f"{line}")
+                                f"{first_line(e)}")
                 raise RankFailure(self._broken) from e
 
     @property

@@ -22,4 +22,10 @@ class RankFailure(RuntimeError):
 USER_ERRORS: tuple[type[Exception], ...] = (CheckpointError, PlacementError, ConfigError, ValueError,
                                             FileNotFoundError)
 
-__all__ = ["CheckpointError", "ConfigError", "PlacementError", "RankFailure", "USER_ERRORS"]
+
+def first_line(e: BaseException) -> str:
+    """An error's message as one line (its first; "" for none), as a rank reports it."""
+    return str(e).splitlines()[0] if str(e) else ""
+
+
+__all__ = ["CheckpointError", "ConfigError", "PlacementError", "RankFailure", "USER_ERRORS", "first_line"]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moe.checkpoint.files import checkpoint_name
+from moe.errors import first_line
 from moe.host import name_this_thread, stacks_on_sigusr1
 from moe.memory import check_kv_cache
 from moe.parallel.distributed import DEFAULT_TIMEOUT_S
@@ -99,7 +100,7 @@ def serve(options: ServeOptions) -> int:
         try:
             EngineLoop(model.engine, dist, length, scheduler, options.token_budget, model.eos_ids).run()
         except BaseException as e:
-            state.dead = f"a rank failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            state.dead = f"a rank failed: {first_line(e) or type(e).__name__}"
             if scheduler is not None:
                 scheduler.fail_all(state.dead)
             time.sleep(0.5)  # the open streams get their error event

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
 
-from moe.errors import USER_ERRORS, RankFailure
+from moe.errors import USER_ERRORS, RankFailure, first_line
 from moe.host import rank_processes_refusal, usable_cores
 from moe.parallel.distributed import check_port_free, free_port
 from moe.workers.spawn import RankProcess, start_rank
@@ -220,7 +220,7 @@ def batch_rank(conn, target: str, rank: int, world_size: int, port: int, *args) 
     try:
         resolve(target)(rank, world_size, port, *args)
     except USER_ERRORS as e:
-        conn.send(("error", type(e).__name__, str(e).splitlines()[0] if str(e) else ""))
+        conn.send(("error", type(e).__name__, first_line(e)))
         sys.stderr.flush()
         os._exit(2)
 

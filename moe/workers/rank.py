@@ -22,7 +22,7 @@ from moe.engine.base import ENGINE_CALLS
 from moe.engine.build import build_model
 from moe.engine.layouts import compilable_plan, engine_type
 from moe.engine.sharded import ShardedEngine
-from moe.errors import USER_ERRORS
+from moe.errors import USER_ERRORS, first_line
 from moe.host import can_pin, core_ids, pin, usable_cores
 from moe.memory import peak_memory_mib
 from moe.parallel.distributed import DEFAULT_TIMEOUT_S, DistContext, init_process_group
@@ -144,7 +144,7 @@ def worker_main(conn, rank: int, world_size: int, port: int, threads: int, spec:
         kind = "user" if isinstance(e, USER_ERRORS) else "fault"
         detail = "" if kind == "user" else traceback.format_exc(limit=-3)
         try:
-            conn.send(("error", READY, kind, type(e).__name__, str(e).splitlines()[0] if str(e) else "", detail))
+            conn.send(("error", READY, kind, type(e).__name__, first_line(e), detail))
         except OSError:
             pass
         sys.stderr.flush()
@@ -199,7 +199,7 @@ def serve(engine: ShardedEngine, conn) -> None:
             result = call(engine, *args) if op in FAULTS else call(*args, **_request_hooks(op, req, rank, conn,
                                                                                           streams))
         except USER_ERRORS as e:
-            line = str(e).splitlines()[0] if str(e) else ""
+            line = first_line(e)
             if engine.dist.collectives != entered and not getattr(e, "agreed_by_all_ranks", False):
                 # the other ranks may be waiting in a collective this rank will not enter
                 raise RuntimeError(f"{type(e).__name__} after the call's first collective: {line}") from e
