@@ -78,9 +78,11 @@ def to_results(tokenizer: Tokenizer | None, prompts: list[list[int]], rows: list
         text = None
         if tokenizer is not None:
             text = tokenizer.decode_continuation(prompt, row.tokens, params.skip_special_tokens)
-            unchecked = params.stop and params.min_tokens and \
-                len(tokenizer.decode_continuation(prompt, row.tokens[:params.min_tokens], params.skip_special_tokens))
-            text, _ = cut_at_stop(text, params.stop, unchecked or 0, params.include_stop_str_in_output)
+            unchecked = 0  # the text of the first min_tokens tokens, where no stop string is looked for
+            if params.stop and params.min_tokens:
+                first = row.tokens[:params.min_tokens]
+                unchecked = len(tokenizer.decode_continuation(prompt, first, params.skip_special_tokens))
+            text, _ = cut_at_stop(text, params.stop, unchecked, params.include_stop_str_in_output)
         fields = (row.tokens, row.finish_reason, row.stop_reason, logprobs, len(prompt), seed)
         out.append(Completion(text, *fields) if is_text else TokenCompletion(*fields, text=text))
     return out

@@ -132,7 +132,7 @@ def held_back(params: list[SamplingParams], outputs: list[list[int]], eos: tuple
     ban_BV = torch.zeros(len(params), vocab_size, dtype=torch.bool)
     for b, p in enumerate(params):
         ids = [i for i in (*p.stop_token_ids, *(() if p.ignore_eos else eos)) if 0 <= i < vocab_size]
-        ban_BV[b, ids] = bool(p.min_tokens)
+        ban_BV[b, ids] = True  # held back while the row's min_left_B > 0 (never, without min_tokens)
     left = [max(0, p.min_tokens - len(out)) for p, out in zip(params, outputs, strict=True)]
     return ban_BV.to(device), torch.tensor(left, dtype=torch.long, device=device)
 
