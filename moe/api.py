@@ -24,9 +24,8 @@ from moe.checkpoint.formats import detect
 from moe.checkpoint.generation_config import GenerationDefaults, read_generation_config
 from moe.checkpoint.loader import INT8, parse_precision
 from moe.engine.base import Engine
-from moe.engine.build import build_model
 from moe.engine.layouts import check_options, compilable_plan
-from moe.engine.local import LocalEngine
+from moe.engine.start import join_torchrun, load_here, start_ranks
 from moe.errors import USER_ERRORS, RankFailure, first_line
 from moe.generation import SamplingParams, check_prompts
 from moe.generation.loop import batch_of_prompts
@@ -35,21 +34,21 @@ from moe.generation.results import Completion, TokenCompletion, to_results
 from moe.generation.text import TextStreams
 from moe.host import ThreadWatch
 from moe.info import ModelInfo, announce
-from moe.memory import MemoryUse, check_kv_cache, peak_memory_mib
+from moe.memory import MemoryUse, check_kv_cache
 from moe.parallel.devices import ranks_device
 from moe.parallel.distributed import DEFAULT_TIMEOUT_S, from_torchrun
 from moe.parallel.placement import Placement, resolve_placement
-from moe.progress import Progress
 from moe.reports.expert_load import ExpertLoadReport
 from moe.tokenizer import Tokenizer, load_tokenizer
-from moe.workers.rank import ShardSpec, load_report
+from moe.workers.rank import ShardSpec
 
 
 class MoEModel:
-    def __init__(self, engine: Engine, config: ModelConfig, tokenizer: Tokenizer | None, info: ModelInfo) -> None:
+    def __init__(self, engine: Engine, config: ModelConfig, tokenizer: Tokenizer | None, info: ModelInfo,
+                 generation_defaults: GenerationDefaults | None = None, checkpoint_dir: Path | None = None) -> None:
         self.engine, self.config, self._tokenizer, self.info = engine, config, tokenizer, info
-        # once loaded: the checkpoint's generation_config.json, and its directory (a save copies its tokenizer files)
-        self.generation_defaults, self.checkpoint_dir = GenerationDefaults(), None
+        # the checkpoint's generation_config.json, and its directory (a save copies its tokenizer files)
+        self.generation_defaults, self.checkpoint_dir = generation_defaults or GenerationDefaults(), checkpoint_dir
         self._lock = threading.Lock()  # one call at a time: the ranks run one request in lock-step
         self._broken = ""  # under torchrun: why this rank's model can no longer be used
         self._thread = ThreadWatch(info.launch != "processes" and str(getattr(engine, "device", "")) == "cpu")
@@ -98,67 +97,22 @@ class MoEModel:
         if threads is not None and (joined is not None or (gpus == 1 and placement is None)):
             torch.set_num_threads(threads)  # this process is the rank: `threads` is its own pool
         if joined is not None:
-            model = cls._join_torchrun(path, cfg, tokenizer, base, *joined, gpus, placement, blocks_per_rank,
-                                       progress, ranks_compile)
+            engine, info = join_torchrun(path, cfg, base, *joined, gpus, placement, blocks_per_rank, progress,
+                                         ranks_compile)
         else:
             kind = ranks_device(device, gpus)
             if kind == "cpu" and cpu_kernels == "auto":
                 native.available()  # built here once, before N ranks start and load it
             if gpus == 1 and placement is None:
-                model = cls._load_here(path, cfg, tokenizer, base, device if device.startswith("cuda:") else kind,
-                                       progress, compile)
+                engine, info = load_here(path, base, device if device.startswith("cuda:") else kind, progress,
+                                         compile)
             else:
                 plan = resolve_placement(placement, cfg, gpus, blocks_per_rank, attention, experts)
                 compilable_plan(plan, ranks_compile, exchange)  # refused before any rank starts (load_shard too)
                 spec = ShardSpec(str(path), dtype_name, plan.to_json(), progress, cpu_kernels, kind, timeout_s,
                                  exchange, ranks_compile)
-                model = cls._start_ranks(spec, cfg, tokenizer, base, gpus, plan, master_port, threads)
-        model.generation_defaults, model.checkpoint_dir = defaults, Path(path)
-        return model
-
-    @classmethod
-    def _load_here(cls, path, cfg, tokenizer, base: dict, device: str, progress: bool, compile) -> MoEModel:
-        baseline = peak_memory_mib(device)
-        model, _, stats = build_model(path, base["dtype"], device, progress=Progress.for_loading(progress),
-                                      kernels=base["cpu_kernels"])
-        report = load_report(model, stats, baseline, torch.device(device), "none")
-        engine = LocalEngine(model, compile)
-        engine.checkpoint_dir = str(path)
-        info = ModelInfo.from_reports(base, [report], launch="local", compiled=compile in (True, "torch"))
-        return cls(engine, cfg, tokenizer, announce(info))
-
-    @classmethod
-    def _start_ranks(cls, spec: ShardSpec, cfg, tokenizer, base: dict, gpus: int, plan: Placement,
-                     master_port: int | None, threads: int | None) -> MoEModel:
-        from moe.engine.remote import RemoteEngine
-        from moe.workers.group import WorkerGroup
-
-        group = WorkerGroup(gpus, spec, master_port, threads)
-        try:
-            info = ModelInfo.from_reports(base, group.ready, launch="processes", placement=plan, compiled=spec.compile)
-        except BaseException as e:
-            group.close(force=True, reason=f"loading failed: {e}")
-            raise
-        return cls(RemoteEngine(group), cfg, tokenizer, announce(info))
-
-    @classmethod
-    def _join_torchrun(cls, path, cfg, tokenizer, base: dict, dist, created: bool, gpus: int, placement,
-                       blocks_per_rank, progress: bool, compile: bool) -> MoEModel:
-        from moe.workers.rank import load_shard
-
-        if gpus not in (1, dist.world_size):
-            raise ValueError(f"gpus={gpus}: under torchrun the ranks are torchrun's (WORLD_SIZE={dist.world_size}); "
-                             "leave gpus out")
-        plan = resolve_placement(placement, cfg, dist.world_size, blocks_per_rank, base["attention"], base["experts"])
-        spec = ShardSpec(str(path), base["dtype"], plan.to_json(), progress, base["cpu_kernels"], dist.device.type,
-                         exchange=base["exchange"], compile=compile)
-        baseline = peak_memory_mib(dist.device)
-        engine, stats = load_shard(spec, dist)
-        engine.owns_group = created  # a group another model of this job made stays for that model
-        reports = dist.all_gather_object(load_report(engine.model, stats, baseline, dist.device, dist.backend))
-        info = ModelInfo.from_reports(base, reports, launch="torchrun", rank=dist.rank, placement=plan,
-                                      compiled=compile)
-        return cls(engine, cfg, tokenizer, announce(info))
+                engine, info = start_ranks(spec, base, gpus, plan, master_port, threads)
+        return cls(engine, cfg, tokenizer, announce(info), defaults, Path(path))
 
     @contextmanager
     def _calling(self):
