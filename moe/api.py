@@ -29,7 +29,7 @@ from moe.engine.start import join_torchrun, load_here, start_ranks
 from moe.errors import USER_ERRORS, RankFailure, first_line
 from moe.generation import SamplingParams, check_prompts
 from moe.generation.loop import batch_of_prompts
-from moe.generation.params import SEED_LIMIT, per_prompt_seeds
+from moe.generation.params import SEED_LIMIT, check_vocabulary, per_prompt_seeds
 from moe.generation.results import Completion, TokenCompletion, to_results
 from moe.generation.text import TextStreams
 from moe.host import ThreadWatch
@@ -166,7 +166,8 @@ class MoEModel:
                  ignore_eos: bool = False, *, min_p: float | None = None, repetition_penalty: float | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, stop: str | list[str] | None = None,
                  stop_token_ids: list[int] | None = None, logprobs: int | None = None, min_tokens: int = 0,
-                 skip_special_tokens: bool = True) -> list[Completion] | list[TokenCompletion]:
+                 skip_special_tokens: bool = True, logit_bias: dict[int, float] | None = None,
+                 include_stop_str_in_output: bool = False) -> list[Completion] | list[TokenCompletion]:
         """A list of one result per prompt (a text or token ids, or a list of them, as vLLM takes them): a
         `Completion` (a `str`: the new text) for text prompts, a `TokenCompletion` (a `list` of the new ids) for
         token-id prompts; both carry `token_ids`, `finish_reason` ("stop" or "length"), `stop_reason`, `logprobs`,
@@ -186,7 +187,8 @@ class MoEModel:
                                 repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                                 frequency_penalty=frequency_penalty, stop=stop, stop_token_ids=stop_token_ids,
                                 logprobs=logprobs, ignore_eos=ignore_eos, skip_special_tokens=skip_special_tokens,
-                                min_tokens=min_tokens)
+                                min_tokens=min_tokens, logit_bias=logit_bias,
+                                include_stop_str_in_output=include_stop_str_in_output)
         return self._generate(ids, params, seed, streamer, is_text)
 
     def _sampling(self, max_new_tokens: int, stop=None, stop_token_ids=None, **given) -> SamplingParams:
@@ -219,6 +221,7 @@ class MoEModel:
                   streamer: Callable[[int, str | int], None] | None, is_text: bool,
                   extra_eos: tuple[int, ...] = ()) -> list:
         check_prompts(ids, self.config.vocab_size, self.config.max_seq_len)
+        check_vocabulary(params, self.config.vocab_size)
         seeds = per_prompt_seeds(seed, len(ids))
         tokenizer = self.tokenizer if params.stop or (is_text and streamer) else self._tokenizer  # refused early
         check_kv_cache(self.config, self.info, self.engine, len(ids),

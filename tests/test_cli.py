@@ -54,3 +54,20 @@ def test_cpu_kernels_flag_gives_the_same_greedy_text():
         assert proc.returncode == 0, proc.stderr
         texts.append(proc.stdout.split("acknowledged, that", 1)[1].split("\nload ")[0])
     assert texts[0] == texts[1] == texts[2] and len(texts[0]) > 40
+
+
+def test_logit_bias_and_min_tokens_flags_give_the_apis_text():
+    """llama.cpp's `--logit-bias ID(+/-)BIAS` and vLLM's `--min-tokens`, as `generate`'s keywords; a malformed
+    bias is one line naming the flag."""
+    from moe import MoEModel
+
+    prompt = "It is a truth universally acknowledged, that"
+    with MoEModel.from_pretrained(TRAINED) as model:
+        first = model.generate(prompt, max_new_tokens=1, temperature=0)[0].token_ids[0]
+        want = str(model.generate(prompt, max_new_tokens=12, temperature=0, logit_bias={first: -100}, min_tokens=12)[0])
+    proc = run_generate("--prompt", prompt, "--max-new-tokens", "12", "--temperature", "0", "--logit-bias",
+                        f"{first}-100", "--min-tokens", "12", ckpt=TRAINED)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split(prompt, 1)[1].startswith(want)
+    bad = run_generate("--prompt", prompt, "--logit-bias", "5x", ckpt=TRAINED)
+    assert bad.returncode == 2 and "--logit-bias" in bad.stderr and "Traceback" not in bad.stderr

@@ -52,6 +52,22 @@ def test_min_tokens_holds_back_the_end_as_transformers_min_new_tokens_does(pair)
         assert list(got) == (want[:-1] if want[-1] in (2, stop) else want) and len(got) >= 6  # theirs keep the end
 
 
+def test_logit_bias_greedy_equals_transformers_sequence_bias(pair):
+    """A ban of each prompt's second greedy token and a push for another: the answers change, and equal transformers'
+    with the same single-token `sequence_bias`, applied before its repetition penalty as ours is."""
+    hf, model = pair
+    for prompt in PROMPTS:
+        plain = list(model.generate(prompt, max_new_tokens=12, temperature=0, ignore_eos=True)[0])
+        bias = {plain[1]: -100.0, (plain[0] + 7) % 64: 4.5}
+        got = model.generate(prompt, max_new_tokens=12, temperature=0, ignore_eos=True, repetition_penalty=1.2,
+                             logit_bias={str(i) if i % 2 else i: v for i, v in bias.items()})[0]  # JSON's keys too
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0,
+                               eos_token_id=None, repetition_penalty=1.2,
+                               sequence_bias={(i,): v for i, v in bias.items()})[0, len(prompt):].tolist()
+        assert list(got) == want and want != plain and plain[1] not in want
+
+
 def test_presence_and_frequency_penalties_equal_a_step_by_step_reference(pair):
     hf, model = pair
     presence, frequency = 0.7, 0.4
@@ -191,7 +207,8 @@ def test_token_prompts_return_ids_with_their_text(trained):
 
 
 @pytest.mark.parametrize("bad", [dict(stop=[""]), dict(min_p=2), dict(logprobs=-1), dict(seed=[1, 2]),
-                                 dict(repetition_penalty=-1), dict(presence_penalty="a")])
+                                 dict(repetition_penalty=-1), dict(presence_penalty="a"),
+                                 dict(logit_bias={5: 101}), dict(logit_bias={"x": 1}), dict(logit_bias={10**6: 1})])
 def test_bad_values_are_refused_and_the_model_stays_usable(trained, bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         trained.generate([PROMPT], max_new_tokens=4, **bad)

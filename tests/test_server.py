@@ -52,6 +52,15 @@ def test_greedy_completions_equal_generate_whole_and_streamed(server, local):
     assert chunks[-1].usage.completion_tokens == 12 and chunks[-2].choices[0].finish_reason == "length"
 
 
+def test_logit_bias_through_the_openai_client_equals_generate(server, local):
+    plain = local.generate(PROMPTS[1], max_new_tokens=8, temperature=0)[0]
+    bias = {plain.token_ids[0]: -100, plain.token_ids[3]: 5}
+    want = local.generate(PROMPTS[1], max_new_tokens=8, temperature=0, logit_bias=bias)[0]
+    got = server.client().completions.create(model="austen", prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                                             logit_bias={str(i): v for i, v in bias.items()})
+    assert got.choices[0].text == str(want) != str(plain)
+
+
 def test_token_prompts_stop_strings_and_logprobs(server, local):
     ids = local.tokenizer.encode(PROMPTS[0])
     want = local.generate([ids], max_new_tokens=16, temperature=0, stop=[","], logprobs=2)[0]
@@ -117,7 +126,9 @@ BAD = [
     ({"prompt": "x", "n": 1000}, 400, "n"),
     ({"prompt": ["x"] * 100}, 400, "prompt"),
     ({"prompt": "x", "echo": True}, 400, "echo"),
-    ({"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
+    ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ({"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json"),  # vLLM's, not served here
     ({"prompt": [1, 2, 10**9]}, 400, "prompt"),
     ({"prompt": 5}, 400, "prompt"),

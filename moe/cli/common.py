@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -139,6 +140,10 @@ def add_sampling_args(ap: argparse.ArgumentParser, max_new_tokens: int = 64) -> 
                     help="subtract per occurrence in the output (OpenAI's; -2 to 2, default 0)")
     ap.add_argument("--stop", action="append", default=None, help="stop before this text; repeat for several")
     ap.add_argument("--stop-token-id", action="append", type=int, default=None, help="stop at this token id")
+    ap.add_argument("--min-tokens", type=int, default=0,
+                    help="no end-of-sequence or stop before this many new tokens (vLLM's; default 0)")
+    ap.add_argument("--logit-bias", action="append", type=logit_bias, default=None, metavar="ID(+/-)BIAS",
+                    help="add BIAS to token ID's logits, e.g. 15043+1 or 15043-100 (llama.cpp's); repeat for several")
     ap.add_argument("--special", action="store_true",
                     help="show special tokens (<|im_end|>, </s>) in the text (llama.cpp's flag); left out by default")
 
@@ -148,8 +153,17 @@ def sampling_args(args: argparse.Namespace) -> dict:
     given = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                  top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                  presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                 stop=args.stop, stop_token_ids=args.stop_token_id, skip_special_tokens=not args.special)
+                 stop=args.stop, stop_token_ids=args.stop_token_id, skip_special_tokens=not args.special,
+                 min_tokens=args.min_tokens, logit_bias=dict(args.logit_bias) if args.logit_bias else None)
     return {k: v for k, v in given.items() if v is not None}
+
+
+def logit_bias(text: str) -> tuple[int, float]:
+    """An argparse type: llama.cpp's TOKEN_ID(+/-)BIAS, e.g. 15043+1."""
+    found = re.fullmatch(r"(\d+)([+-](?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)", text.strip())
+    if found is None:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID(+/-)BIAS, e.g. 15043+1, got {text!r}")
+    return int(found[1]), float(found[2])
 
 
 def sampling_settings(model, args: argparse.Namespace) -> tuple[str, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # as vLLM's default limit and OpenAI's top_logprobs
@@ -20,7 +21,8 @@ class SamplingParams:
     `skip_special_tokens` leaves special tokens' text (e.g. `<|im_end|>`) out of the text, as vLLM does by default.
     `min_tokens`: no end-of-sequence or stop token can be drawn, nor a stop string end the text, before this many
     new tokens (vLLM's; transformers' `min_new_tokens`). `include_stop_str_in_output` ends the text after the stop
-    string rather than before it (vLLM's).
+    string rather than before it (vLLM's). `logit_bias` ({token id: bias in [-100, 100]}, OpenAI's) is added to the
+    raw logits before the penalties (vLLM's and transformers' order); the log-probabilities stay the raw ones.
     `seed` drives this prompt's own random stream: its samples do not depend on the rest of the batch."""
 
     max_new_tokens: int = 64
@@ -39,6 +41,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         """A bad value is refused in one line naming it and its range, before any rank sees it."""
@@ -62,6 +65,7 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _biases(self.logit_bias))
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs)
             _within("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
@@ -109,6 +113,31 @@ def _token_ids(ids: object) -> tuple[int, ...]:
                                                      for i in ids):
         raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), got {ids!r}")
     return tuple(ids)
+
+
+def _biases(bias: object) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} (ids as integers, or as the decimal strings of OpenAI's JSON), kept as sorted pairs: the
+    params stay hashable and picklable for the ranks."""
+    if bias is None:
+        return ()
+    pairs = bias.items() if isinstance(bias, Mapping) else bias
+    try:
+        out = {int(i) if isinstance(i, str) and i.strip().isdigit() else i: v for i, v in pairs}
+    except (TypeError, ValueError):
+        out = None
+    if out is None or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in out):
+        raise ValueError(f"logit_bias must map token ids (integers >= 0) to numbers, got {bias!r}")
+    for i, v in out.items():
+        _number(f"logit_bias[{i}]", v)
+        _within(f"logit_bias[{i}]", v, -100, 100, "in [-100, 100]")
+    return tuple(sorted((i, float(v)) for i, v in out.items()))
+
+
+def check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
+    """Token ids of the parameters must be the model's: a bias on an id outside it would index past the logits."""
+    bad = [i for i, _ in params.logit_bias if i >= vocab_size]
+    if bad:
+        raise ValueError(f"logit_bias has token id {bad[0]} outside the vocabulary (size {vocab_size})")
 
 
 def per_prompt_seeds(seed: int | list[int] | None, prompts: int) -> list[int] | None:

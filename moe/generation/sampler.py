@@ -1,6 +1,6 @@
 """The next token of every row from its logits, each row under its own parameters and its own random stream.
 
-Order, as transformers' and vLLM's: penalties on the raw logits (repetition over prompt and output, presence and
+Order, as transformers' and vLLM's: logit biases, then penalties (repetition over prompt and output, presence and
 frequency over the output), then temperature, top-k, top-p, min-p (each on what the previous left), then a draw.
 The draw is argmax(p / e) with e ~ Exp(1) drawn from the row's own generator (the exponential race, as vLLM draws
 per-request seeds): the same as sampling from p, and a row's tokens depend only on its prompt, parameters and seed,
@@ -52,11 +52,12 @@ class Sampler:
                                                                                                      device=device))
             self.presence, self.frequency = column("presence_penalty"), column("frequency_penalty")
         self.ban_BV, self.min_left_B = held_back(params, outputs, eos, vocab_size, device)
+        self.bias_BV = logit_biases(params, vocab_size, device)
         self.top = top_logprobs(params)
         # every row greedy with nothing to adjust or report: the argmax alone, two ops where the general path takes
         # five (a step's weights have just pushed torch's code out of the caches: each costs 5-15 us on a CPU)
         self.argmax_only = not self.sampled and self.repetition is None and self.counts_BV is None and \
-            self.top is None and self.ban_BV is None
+            self.top is None and self.ban_BV is None and self.bias_BV is None
 
     def __call__(self, logits_BV: torch.Tensor) -> torch.Tensor:
         """[B, packed_width(top_logprobs)] int64: the next token of each row, and its log-probabilities when asked."""
@@ -76,6 +77,8 @@ class Sampler:
         return torch.cat([tokens_B[:, None], bits, top.indices], dim=1)
 
     def penalise(self, logits_BV: torch.Tensor) -> torch.Tensor:
+        if self.bias_BV is not None:
+            logits_BV = logits_BV + self.bias_BV
         if self.ban_BV is not None:  # rows short of their min_tokens: no end yet
             logits_BV = logits_BV.masked_fill(self.ban_BV & (self.min_left_B > 0)[:, None], float("-inf"))
         if self.seen_BV is not None:
@@ -135,6 +138,17 @@ def held_back(params: list[SamplingParams], outputs: list[list[int]], eos: tuple
         ban_BV[b, ids] = True  # held back while the row's min_left_B > 0 (never, without min_tokens)
     left = [max(0, p.min_tokens - len(out)) for p, out in zip(params, outputs, strict=True)]
     return ban_BV.to(device), torch.tensor(left, dtype=torch.long, device=device)
+
+
+def logit_biases(params: list[SamplingParams], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """[B, V]: each row's `logit_bias` (None where no row has one)."""
+    if not any(p.logit_bias for p in params):
+        return None
+    bias_BV = torch.zeros(len(params), vocab_size)
+    for b, p in enumerate(params):
+        for i, v in p.logit_bias:
+            bias_BV[b, i] = v
+    return bias_BV.to(device)
 
 
 def top_logprobs(params: list[SamplingParams]) -> int | None:

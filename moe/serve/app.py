@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from moe.chat.template import NoChatTemplate, end_of_turn_id, text_content
 from moe.generation.loop import prompt_batch
-from moe.generation.params import SEED_LIMIT
+from moe.generation.params import SEED_LIMIT, check_vocabulary
 from moe.serve import protocol
 from moe.serve.protocol import ApiError, log
 from moe.serve.scheduler import QueueFull, Request, Scheduler
@@ -149,6 +149,10 @@ class OpenAIServer:
             raise ApiError(400, "the prompt is empty: it has no tokens", "messages" if kind == "chat" else "prompt")
         parsed = [protocol.sampling(body, kind, len(p), self.state.max_model_len, turn_end, self.state.defaults)
                   for p in prompts]
+        try:
+            check_vocabulary(parsed[0].params, self.state.vocab_size)
+        except ValueError as e:
+            raise ApiError(400, str(e), "logit_bias") from None
         scheduler = self.state.scheduler
         n = protocol.choices_per_prompt(body, len(prompts), scheduler.max_num_seqs + scheduler.max_queue)
         # choice i*n + j: prompt i's j-th sequence, seeded apart (seed + j), as OpenAI orders choices

@@ -17,7 +17,7 @@ log = logging.getLogger("moe.serve")
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "stream", "stream_options", "ignore_eos",
-          "n", "user", "logprobs", "skip_special_tokens", "min_tokens", "include_stop_str_in_output"}
+          "n", "user", "logprobs", "skip_special_tokens", "min_tokens", "include_stop_str_in_output", "logit_bias"}
 FIELDS = {"completions": COMMON | {"prompt"},
           "chat": COMMON | {"messages", "top_logprobs", "max_completion_tokens", "chat_template_kwargs",
                             "add_generation_prompt"},
@@ -25,12 +25,13 @@ FIELDS = {"completions": COMMON | {"prompt"},
                        "add_generation_prompt"},
           "detokenize": {"model", "tokens"}}
 # OpenAI's fields this server does not support, and vLLM's that would change an answer: refused by name
-REFUSED = ("echo", "suffix", "best_of", "logit_bias", "tools", "tool_choice", "functions", "function_call",
+REFUSED = ("echo", "suffix", "best_of", "tools", "tool_choice", "functions", "function_call",
            "response_format", "parallel_tool_calls", "audio", "modalities", "prediction", "prompt_logprobs",
            "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "bad_words",
            "allowed_token_ids", "continue_final_message", "truncate_prompt_tokens", "logits_processors")
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-            "repetition_penalty", "ignore_eos", "skip_special_tokens", "min_tokens", "include_stop_str_in_output")
+            "repetition_penalty", "ignore_eos", "skip_special_tokens", "min_tokens", "include_stop_str_in_output",
+            "logit_bias")
 
 
 class ApiError(Exception):
@@ -112,7 +113,8 @@ def sampling(body: dict, kind: str, prompt_len: int, max_model_len: int, turn_en
                                 logprobs=logprob_count(body, kind))
     except (ValueError, TypeError) as e:
         message = str(e)
-        raise ApiError(400, message, name if message.startswith("max_new_tokens") else message.split()[0]) from None
+        param = name if message.startswith("max_new_tokens") else message.split()[0].split("[")[0]  # logit_bias[5]
+        raise ApiError(400, message, param) from None
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "stream_options must be an object", "stream_options")
