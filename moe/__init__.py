@@ -2,5 +2,6 @@
 
 from moe.api import MoEModel
 from moe.checkpoint.files import CheckpointError
+from moe.generation.params import SamplingParams
 
-__all__ = ["MoEModel", "CheckpointError"]
+__all__ = ["MoEModel", "CheckpointError", "SamplingParams"]

@@ -9,6 +9,7 @@ otherwise `RemoteEngine` over N rank processes started here. All three answer th
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import threading
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -28,8 +29,8 @@ from moe.engine.layouts import check_options, compilable_plan
 from moe.engine.start import join_torchrun, load_here, start_ranks
 from moe.errors import USER_ERRORS, RankFailure, first_line
 from moe.generation import SamplingParams, check_prompts
-from moe.generation.loop import batch_of_prompts
-from moe.generation.params import SEED_LIMIT, check_vocabulary, per_prompt_seeds
+from moe.generation.loop import batch_of_prompts, stops
+from moe.generation.params import DEFAULT_MAX_NEW_TOKENS, SEED_LIMIT, check_vocabulary, per_prompt_seeds
 from moe.generation.results import Completion, TokenCompletion, to_results
 from moe.generation.text import TextStreams
 from moe.host import ThreadWatch
@@ -160,18 +161,22 @@ class MoEModel:
         with self._calling():
             return self.engine.random_seed()
 
-    def generate(self, prompts: str | list[str] | list[int] | list[list[int]], max_new_tokens: int = 64,
+    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
+                 max_new_tokens: int | SamplingParams | list[SamplingParams] = DEFAULT_MAX_NEW_TOKENS,
                  temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                  seed: int | list[int] | None = None, streamer: Callable[[int, str | int], None] | None = None,
                  ignore_eos: bool = False, *, min_p: float | None = None, repetition_penalty: float | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, stop: str | list[str] | None = None,
                  stop_token_ids: list[int] | None = None, logprobs: int | None = None, min_tokens: int = 0,
                  skip_special_tokens: bool = True, logit_bias: dict[int, float] | None = None,
-                 include_stop_str_in_output: bool = False) -> list[Completion] | list[TokenCompletion]:
+                 include_stop_str_in_output: bool = False,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[Completion] | list[TokenCompletion]:
         """A list of one result per prompt (a text or token ids, or a list of them, as vLLM takes them): a
         `Completion` (a `str`: the new text) for text prompts, a `TokenCompletion` (a `list` of the new ids) for
         token-id prompts; both carry `token_ids`, `finish_reason` ("stop" or "length"), `stop_reason`, `logprobs`,
-        `prompt_tokens` and `seed`. The parameters are vLLM's (`SamplingParams`).
+        `prompt_tokens` and `seed`. The parameters are vLLM's (`SamplingParams`); as in vLLM, a `SamplingParams` (or
+        one per prompt) may be given instead, as the second argument or `sampling_params`, and is used as it is.
         Sampling values left out come from the checkpoint's `generation_config.json` where it sets them (as
         transformers and vLLM do; `self.last_defaults` names them), else greedy (temperature 0, top_p 1, top_k off).
         Generation stops at every end-of-sequence id of the tokenizer, config.json and generation_config.json.
@@ -183,13 +188,34 @@ class MoEModel:
         """
         prompts, is_text = batch_of_prompts(prompts)
         ids = [self.tokenizer.encode(p) for p in prompts] if is_text else prompts
-        params = self._sampling(max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                                frequency_penalty=frequency_penalty, stop=stop, stop_token_ids=stop_token_ids,
-                                logprobs=logprobs, ignore_eos=ignore_eos, skip_special_tokens=skip_special_tokens,
-                                min_tokens=min_tokens, logit_bias=logit_bias,
-                                include_stop_str_in_output=include_stop_str_in_output)
-        return self._generate(ids, params, seed, streamer, is_text)
+        if isinstance(max_new_tokens, (SamplingParams, list, tuple)):  # vLLM's generate(prompts, sampling_params)
+            max_new_tokens, sampling_params = DEFAULT_MAX_NEW_TOKENS, max_new_tokens
+        keywords = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                        frequency_penalty=frequency_penalty, stop=stop, stop_token_ids=stop_token_ids,
+                        logprobs=logprobs, ignore_eos=ignore_eos, skip_special_tokens=skip_special_tokens,
+                        min_tokens=min_tokens, logit_bias=logit_bias,
+                        include_stop_str_in_output=include_stop_str_in_output)
+        named = [k for k, v in keywords.items() if v != KEYWORD_DEFAULTS[k]]
+        rows = self._rows(len(ids), max_new_tokens, seed, sampling_params, keywords,
+                          named + ["max_new_tokens"] * (max_new_tokens != DEFAULT_MAX_NEW_TOKENS))
+        return self._generate(ids, rows, streamer, is_text)
+
+    def _rows(self, prompts: int, max_new_tokens: int, seed, given: SamplingParams | list | None, keywords: dict,
+              named: list[str]) -> list[SamplingParams]:
+        """One SamplingParams per prompt: the caller's own (one for all, or one per prompt), used as they are, as
+        vLLM does; else the keywords over the checkpoint's generation_config.json's values (`named`: those given)."""
+        if given is not None:
+            if named or seed is not None:
+                raise ValueError(f"sampling_params holds every sampling setting; {(named or ['seed'])[0]} was given "
+                                 "beside it")
+            rows = [given] * prompts if isinstance(given, SamplingParams) else list(given)
+            if len(rows) != prompts or not all(isinstance(p, SamplingParams) for p in rows):
+                raise ValueError(f"sampling_params must be one SamplingParams or one per prompt ({prompts})")
+            self.last_defaults = []
+            return rows
+        params = self._sampling(max_new_tokens, **keywords)
+        return [dataclasses.replace(params, seed=s) for s in per_prompt_seeds(seed, prompts) or [None] * prompts]
 
     def _sampling(self, max_new_tokens: int, stop=None, stop_token_ids=None, **given) -> SamplingParams:
         """The request's parameters: the caller's, else the checkpoint's generation_config.json's, else off."""
@@ -198,14 +224,16 @@ class MoEModel:
         return SamplingParams(max_new_tokens, **sampling, **given, stop=() if stop is None else stop,
                               stop_token_ids=() if stop_token_ids is None else stop_token_ids)
 
-    def chat(self, messages: list[dict] | list[list[dict]], max_new_tokens: int = 256, *,
-             chat_template: str | None = None, template_kwargs: dict | None = None, tools: list[dict] | None = None,
-             seed: int | list[int] | None = None, streamer: Callable[[int, str], None] | None = None,
+    def chat(self, messages: list[dict] | list[list[dict]],
+             max_new_tokens: int | SamplingParams | list[SamplingParams] = 256, *, chat_template: str | None = None,
+             template_kwargs: dict | None = None, tools: list[dict] | None = None, seed: int | list[int] | None = None,
+             streamer: Callable[[int, str], None] | None = None, sampling_params=None,
              **sampling) -> Completion | list[Completion]:
         """The assistant's reply to one conversation (a list of {"role", "content"} messages), or a list of replies
         to a list of conversations, through the checkpoint's chat template (`chat_template`: another template's
         source or name; `template_kwargs`: the template's own switches, e.g. {"enable_thinking": False}). It stops at
-        the template's end-of-turn token too. `sampling`: `generate`'s keywords."""
+        the template's end-of-turn token too. `sampling`: `generate`'s keywords, or (as vLLM's `chat`) a
+        `SamplingParams` as the second argument or `sampling_params`."""
         batched = bool(messages) and isinstance(messages[0], (list, tuple))
         conversations = messages if batched else [messages]
         template = self.tokenizer.chat_template(chat_template)
@@ -213,31 +241,36 @@ class MoEModel:
                                                   chat_template=template, tools=tools, **(template_kwargs or {}))
                for c in conversations]
         turn_end = end_of_turn_id(self.tokenizer, template)
-        params = self._sampling(max_new_tokens, **sampling)
-        replies = self._generate(ids, params, seed, streamer, True, () if turn_end is None else (turn_end,))
+        if isinstance(max_new_tokens, (SamplingParams, list, tuple)):
+            max_new_tokens, sampling_params = 256, max_new_tokens
+        rows = self._rows(len(ids), max_new_tokens, seed, sampling_params, sampling,
+                          [k for k, v in sampling.items() if v != KEYWORD_DEFAULTS.get(k)]
+                          + ["max_new_tokens"] * (max_new_tokens != 256))
+        replies = self._generate(ids, rows, streamer, True, () if turn_end is None else (turn_end,))
         return replies if batched else replies[0]
 
-    def _generate(self, ids: list[list[int]], params: SamplingParams, seed: int | list[int] | None,
+    def _generate(self, ids: list[list[int]], rows: list[SamplingParams],
                   streamer: Callable[[int, str | int], None] | None, is_text: bool,
                   extra_eos: tuple[int, ...] = ()) -> list:
         check_prompts(ids, self.config.vocab_size, self.config.max_seq_len)
-        check_vocabulary(params, self.config.vocab_size)
-        seeds = per_prompt_seeds(seed, len(ids))
-        tokenizer = self.tokenizer if params.stop or (is_text and streamer) else self._tokenizer  # refused early
+        for params in rows:
+            check_vocabulary(params, self.config.vocab_size)
+        tokenizer = self.tokenizer if stops(rows) or (is_text and streamer) else self._tokenizer  # refused early
         check_kv_cache(self.config, self.info, self.engine, len(ids),
-                       min(max(map(len, ids)) + params.max_new_tokens, self.config.max_seq_len))
-        stream = TextStreams(tokenizer, ids, params, streamer, is_text) if streamer is not None else None
+                       min(max(len(i) + p.max_new_tokens for i, p in zip(ids, rows, strict=True)),
+                           self.config.max_seq_len))
+        stream = TextStreams(tokenizer, ids, rows, streamer, is_text) if streamer is not None else None
         with self._calling():
-            if seeds is None:
+            if any(p.seed is None for p in rows):  # fresh seeds, drawn on one rank: a printed seed reproduces
                 base = self.engine.random_seed()
-                seeds = [(base + b) % SEED_LIMIT for b in range(len(ids))]
-            rows = [dataclasses.replace(params, seed=s) for s in seeds]
+                rows = [p if p.seed is not None else dataclasses.replace(p, seed=(base + b) % SEED_LIMIT)
+                        for b, p in enumerate(rows)]
             result = self.engine.generate(ids, rows, tuple(dict.fromkeys(self.eos_ids + extra_eos)),
                                           self.config.max_seq_len, stream.on_token if stream else None)
         if stream is not None:
             stream.finish()
         self.last_result = result
-        return to_results(self._tokenizer, ids, result.rows, seeds, params, is_text)
+        return to_results(self._tokenizer, ids, result.rows, rows, is_text)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -303,3 +336,7 @@ class MoEModel:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# generate's sampling keywords as left out: any other value is a keyword given (refused beside sampling_params)
+KEYWORD_DEFAULTS = {name: p.default for name, p in inspect.signature(MoEModel.generate).parameters.items()}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe import MoEModel
+from moe import MoEModel, SamplingParams
 from tests.checkpoints import TRAINED, hf_model
 
 PROMPTS = [[1, 17, 99, 5, 42, 7], [1, 64, 3, 12], [1, 88, 23, 51, 9, 30, 77, 4, 11]]
@@ -152,6 +152,31 @@ def trained():
 
 
 PROMPT = "It is a truth universally acknowledged, that"
+
+
+def test_sampling_params_as_vllm_passes_them(trained):
+    """vLLM's `generate(prompts, SamplingParams(...))`, one for all or one per prompt, and `chat`'s: used as given,
+    the keywords' answers; a fresh seed where one has none; keywords beside them are refused."""
+    prompts = [PROMPT, "And God said"]
+    params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, seed=4)
+    whole = trained.generate(prompts, params)
+    want = trained.generate(prompts, max_new_tokens=10, temperature=0.9, top_p=0.9, seed=4)
+    assert [(str(a), a.token_ids, a.seed) for a in whole] == [(str(b), b.token_ids, b.seed) for b in want]
+    each = trained.generate(prompts, sampling_params=[params, SamplingParams(max_tokens=3)])
+    assert each[0].token_ids == whole[0].token_ids
+    assert each[1].token_ids == trained.generate(prompts[1], max_new_tokens=3, temperature=0)[0].token_ids
+    fresh = trained.generate(prompts, SamplingParams(temperature=1.0, max_tokens=6))
+    again = trained.generate(prompts[1], SamplingParams(temperature=1.0, max_tokens=6, seed=fresh[1].seed))
+    assert again[0].token_ids == fresh[1].token_ids and fresh[0].seed != fresh[1].seed
+    messages = [{"role": "user", "content": "Emma"}]
+    template = "{% for m in messages %}{{ m.content }}\n{% endfor %}"
+    assert trained.chat(messages, params, chat_template=template).token_ids == \
+        trained.chat(messages, max_new_tokens=10, temperature=0.9, top_p=0.9, seed=4, chat_template=template).token_ids
+    for beside in (dict(temperature=0.5), dict(seed=1), dict(max_new_tokens=5)):
+        with pytest.raises(ValueError, match=f"{next(iter(beside))} was given beside"):
+            trained.generate(prompts, sampling_params=params, **beside)
+    with pytest.raises(ValueError, match="one per prompt"):
+        trained.generate(prompts, [params])
 
 
 def test_a_stop_string_across_tokens_ends_the_text_before_it(trained):

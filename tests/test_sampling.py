@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
+
 import pytest
 import torch
 
@@ -87,11 +90,16 @@ def test_left_pad_aligns_prompts_to_the_right():
                                  dict(min_p=1.5), dict(repetition_penalty=0), dict(presence_penalty=3),
                                  dict(frequency_penalty=-2.5), dict(seed=-1), dict(stop=[""]), dict(stop=[3]),
                                  dict(stop_token_ids=[-1]), dict(logprobs=21), dict(temperature=float("nan")),
-                                 dict(ignore_eos=1)])
+                                 dict(ignore_eos=1), dict(max_tokens=0), dict(max_tokens=5, max_new_tokens=6),
+                                 dict(seed="1")])
 def test_bad_sampling_parameters_are_refused_naming_the_parameter(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
 
 
-def test_vllm_spelling_of_top_k_off():
+def test_vllm_spellings_top_k_off_and_max_tokens():
     assert SamplingParams(top_k=-1).top_k == 0
+    params = SamplingParams(temperature=0.8, max_tokens=32)
+    assert params.max_new_tokens == 32 and params.seed is None  # vLLM's: a fresh seed
+    assert dataclasses.replace(params, seed=1).max_new_tokens == 32
+    assert pickle.loads(pickle.dumps(dataclasses.replace(params, max_new_tokens=5))).max_new_tokens == 5

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 MAX_LOGPROBS = 20  # as vLLM's default limit and OpenAI's top_logprobs
+DEFAULT_MAX_NEW_TOKENS = 64
 SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes any 64-bit value; keep it one JSON-safe signed integer
 
 
@@ -23,9 +24,11 @@ class SamplingParams:
     new tokens (vLLM's; transformers' `min_new_tokens`). `include_stop_str_in_output` ends the text after the stop
     string rather than before it (vLLM's). `logit_bias` ({token id: bias in [-100, 100]}, OpenAI's) is added to the
     raw logits before the penalties (vLLM's and transformers' order); the log-probabilities stay the raw ones.
-    `seed` drives this prompt's own random stream: its samples do not depend on the rest of the batch."""
+    `seed` drives this prompt's own random stream: its samples do not depend on the rest of the batch; None (the
+    default, as vLLM's) draws a fresh one where the request runs. `max_tokens` is vLLM's name for `max_new_tokens`:
+    either may be given (`SamplingParams(temperature=0.8, max_tokens=32)`); it is read as `max_new_tokens`."""
 
-    max_new_tokens: int = 64
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -33,7 +36,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: int = 0
+    seed: int | None = None
     stop: tuple[str, ...] = field(default=())
     stop_token_ids: tuple[int, ...] = field(default=())
     logprobs: int | None = None
@@ -42,10 +45,18 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    max_tokens: InitVar[int | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, max_tokens: int | None) -> None:
         """A bad value is refused in one line naming it and its range, before any rank sees it."""
-        for name in ("max_new_tokens", "top_k", "seed", "min_tokens"):
+        if max_tokens is not None:
+            _integer("max_tokens", max_tokens)
+            _within("max_tokens", max_tokens, 1, math.inf, "at least 1")
+            if self.max_new_tokens not in (DEFAULT_MAX_NEW_TOKENS, max_tokens):
+                raise ValueError(f"max_tokens={max_tokens} and max_new_tokens={self.max_new_tokens}: give one "
+                                 "(max_tokens is vLLM's name for max_new_tokens)")
+            object.__setattr__(self, "max_new_tokens", max_tokens)
+        for name in ("max_new_tokens", "top_k", "min_tokens"):
             _integer(name, getattr(self, name))
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             _number(name, getattr(self, name))
@@ -59,7 +70,9 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0 (1: off), got {self.repetition_penalty}")
         _within("presence_penalty", self.presence_penalty, -2, 2, "in [-2, 2]")
         _within("frequency_penalty", self.frequency_penalty, -2, 2, "in [-2, 2]")
-        _within("seed", self.seed, 0, SEED_LIMIT - 1, "in [0, 2**63)")
+        if self.seed is not None:
+            _integer("seed", self.seed)
+            _within("seed", self.seed, 0, SEED_LIMIT - 1, "in [0, 2**63)")
         _within("min_tokens", self.min_tokens, 0, self.max_new_tokens, f"in [0, max_new_tokens={self.max_new_tokens}]")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)

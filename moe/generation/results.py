@@ -68,11 +68,11 @@ class TokenCompletion(_Outcome, list):
         self.text = text
 
 
-def to_results(tokenizer: Tokenizer | None, prompts: list[list[int]], rows: list[RowOutput], seeds: list[int],
-               params: SamplingParams, is_text: bool) -> list[Completion] | list[TokenCompletion]:
+def to_results(tokenizer: Tokenizer | None, prompts: list[list[int]], rows: list[RowOutput],
+               row_params: list[SamplingParams], is_text: bool) -> list[Completion] | list[TokenCompletion]:
     """The loop's rows as results; text (decoded after its prompt, cut before a stop string) where a tokenizer is."""
     out = []
-    for prompt, row, seed in zip(prompts, rows, seeds, strict=True):
+    for prompt, row, params in zip(prompts, rows, row_params, strict=True):
         logprobs = None if row.logprobs is None else [TokenLogprob(t, lp, tuple(top))
                                                       for t, (lp, top) in zip(row.tokens, row.logprobs, strict=True)]
         text = None
@@ -83,6 +83,6 @@ def to_results(tokenizer: Tokenizer | None, prompts: list[list[int]], rows: list
                 first = row.tokens[:params.min_tokens]
                 unchecked = len(tokenizer.decode_continuation(prompt, first, params.skip_special_tokens))
             text, _ = cut_at_stop(text, params.stop, unchecked, params.include_stop_str_in_output)
-        fields = (row.tokens, row.finish_reason, row.stop_reason, logprobs, len(prompt), seed)
+        fields = (row.tokens, row.finish_reason, row.stop_reason, logprobs, len(prompt), params.seed)
         out.append(Completion(text, *fields) if is_text else TokenCompletion(*fields, text=text))
     return out

@@ -34,8 +34,7 @@ class Sampler:
         self.filters = any(p.filtered for p in params if not p.greedy)
         self.top_k, self.top_p, self.min_p = column("top_k", torch.long), column("top_p"), column("min_p")
         given = generators or [None] * B
-        self.generators = {b: given[b] or torch.Generator(device=device).manual_seed(params[b].seed)
-                           for b in self.sampled}
+        self.generators = {b: given[b] or seeded(params[b].seed, device) for b in self.sampled}
         outputs = outputs or [[] for _ in params]
         self.repetition = column("repetition_penalty") if any(p.repetition_penalty != 1 for p in params) else None
         self.seen_BV = None
@@ -123,6 +122,15 @@ class Sampler:
             self.seen_BV.scatter_(1, tokens_B[:, None], True)
         if self.counts_BV is not None:
             self.counts_BV.scatter_add_(1, tokens_B[:, None], torch.ones_like(tokens_B[:, None], dtype=torch.float32))
+
+
+def seeded(seed: int | None, device: torch.device) -> torch.Generator:
+    """A row's random stream: from its seed, or (None) from the system's randomness; only the head's rank draws."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+        return generator
+    return generator.manual_seed(seed)
 
 
 def held_back(params: list[SamplingParams], outputs: list[list[int]], eos: tuple[int, ...], vocab_size: int,

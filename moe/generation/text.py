@@ -70,10 +70,11 @@ def cut_at_stop(text: str, stops: tuple[str, ...], unchecked: int = 0, keep_stop
 class TextStreams:
     """A caller's streamer fed text pieces (text prompts) or token ids (token-id prompts) as tokens arrive."""
 
-    def __init__(self, tokenizer: Tokenizer | None, prompts: list[list[int]], params: SamplingParams,
+    def __init__(self, tokenizer: Tokenizer | None, prompts: list[list[int]], rows: list[SamplingParams],
                  streamer: Callable[[int, str | int], None], is_text: bool) -> None:
         self.streamer = streamer
-        self.texts = [StopText.of(tokenizer, p, params) for p in prompts] if is_text else None
+        self.texts = [StopText.of(tokenizer, p, params) for p, params in zip(prompts, rows, strict=True)] \
+            if is_text else None
 
     def on_token(self, b: int, token: int) -> None:
         if self.texts is None:
