@@ -243,11 +243,15 @@ def test_bad_values_are_refused_and_the_model_stays_usable(trained, bad):
 @pytest.mark.parametrize("attention", ["layer", "replicated"])
 def test_stop_strings_and_logprobs_on_two_rank_processes(trained, attention):
     """The ranks read the tokenizer to find stop strings; the head's rank (rank 1 under layer placement) sends
-    the log-probabilities with the tokens."""
+    the log-probabilities with the tokens, and samples each row under its own parameters (logit_bias, min_tokens)."""
     kw = dict(max_new_tokens=16, temperature=0.7, seed=[1, 2], stop=["ou", "ss"], logprobs=2)
     one = trained.generate([PROMPT, "And"], **kw)
+    rows = [SamplingParams(max_tokens=8, temperature=0, logit_bias={one[0].token_ids[0]: -100}),
+            SamplingParams(max_tokens=8, temperature=0.9, seed=3, min_tokens=8)]  # a row's own params, on the ranks
     with MoEModel.from_pretrained(TRAINED, gpus=2, attention=attention) as sharded:
         two = sharded.generate([PROMPT, "And"], **kw)
+        assert [o.token_ids for o in sharded.generate([PROMPT, "And"], rows)] == \
+            [o.token_ids for o in trained.generate([PROMPT, "And"], rows)]
     for a, b in zip(one, two, strict=True):
         assert (a, a.token_ids, a.finish_reason, a.stop_reason) == (b, b.token_ids, b.finish_reason, b.stop_reason)
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
