@@ -40,6 +40,8 @@ def test_a_package_gives_the_eager_tokens_loads_in_a_later_model_and_is_never_ru
     assert later.engine.ahead_ran and "compiling" not in capfd.readouterr().err
     assert torch.equal(later.expert_load().counts, eager.expert_load().counts)  # the package counts as eager does
     assert later.generate(["And God said", "It is"], **SAMPLED) == sampled
+    with_logprobs = later.generate(["And God said", "It is"], **SAMPLED, logprobs=2)  # tokens: a column of wider rows
+    assert [o.token_ids for o in with_logprobs] == [o.token_ids for o in sampled] and later.engine.ahead_ran
     assert tokens(MoEModel.from_pretrained(TRAINED, compile=False)) == want  # and compile=False never loads it
     for debug in (True, False):  # a mode no package is built with: eager steps, then the package again
         later.set_debug_routing(debug), eager.set_debug_routing(debug)

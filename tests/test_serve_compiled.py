@@ -24,9 +24,9 @@ PROMPTS = ["It is a truth universally acknowledged, that", "And God said", "Emma
 def answers(server: Server) -> list[str]:
     client = server.client()
 
-    def ask(i: int) -> str:
+    def ask(i: int) -> str:  # some with log-probabilities: the step's tokens are then a column of wider rows
         return client.completions.create(model="m", prompt=PROMPTS[i], max_tokens=10 + i, temperature=0,
-                                         ).choices[0].text
+                                         logprobs=2 if i % 2 else None).choices[0].text
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         return list(pool.map(ask, range(len(PROMPTS))))

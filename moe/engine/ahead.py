@@ -268,7 +268,7 @@ class AheadDecode:
         if step is None:
             return None
         self.slot.fill_(start)
-        inputs[0] = tokens_B1
+        inputs[0] = tokens_B1.contiguous()  # a column of the sampler's packed rows (logprobs): a package reads rows
         inputs[2] = pad_B if pad_B is not None else no_pad
         return step.loader.run(inputs)[0]
 
