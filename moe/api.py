@@ -169,7 +169,7 @@ class MoEModel:
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, stop: str | list[str] | None = None,
                  stop_token_ids: list[int] | None = None, logprobs: int | None = None, min_tokens: int = 0,
                  skip_special_tokens: bool = True, logit_bias: dict[int, float] | None = None,
-                 include_stop_str_in_output: bool = False,
+                 include_stop_str_in_output: bool = False, prompt_logprobs: int | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[Completion] | list[TokenCompletion]:
         """A list of one result per prompt (a text or token ids, or a list of them, as vLLM takes them): a
@@ -194,7 +194,7 @@ class MoEModel:
                         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                         frequency_penalty=frequency_penalty, stop=stop, stop_token_ids=stop_token_ids,
                         logprobs=logprobs, ignore_eos=ignore_eos, skip_special_tokens=skip_special_tokens,
-                        min_tokens=min_tokens, logit_bias=logit_bias,
+                        min_tokens=min_tokens, logit_bias=logit_bias, prompt_logprobs=prompt_logprobs,
                         include_stop_str_in_output=include_stop_str_in_output)
         named = [k for k, v in keywords.items() if v != KEYWORD_DEFAULTS[k]]
         rows = self._rows(len(ids), max_new_tokens, seed, sampling_params, keywords,
@@ -267,10 +267,12 @@ class MoEModel:
                         for b, p in enumerate(rows)]
             result = self.engine.generate(ids, rows, tuple(dict.fromkeys(self.eos_ids + extra_eos)),
                                           self.config.max_seq_len, stream.on_token if stream else None)
+            top = max((p.prompt_logprobs for p in rows if p.prompt_logprobs is not None), default=None)
+            scores = self.engine.prompt_logprobs(ids, top) if top is not None else None
         if stream is not None:
             stream.finish()
         self.last_result = result
-        return to_results(self._tokenizer, ids, result.rows, rows, is_text)
+        return to_results(self._tokenizer, ids, result.rows, rows, is_text, scores)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:

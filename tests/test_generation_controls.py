@@ -68,6 +68,17 @@ def test_logit_bias_greedy_equals_transformers_sequence_bias(pair):
         assert list(got) == want and want != plain and plain[1] not in want
 
 
+def test_prompt_logprobs_equal_transformers_log_softmax(pair):
+    hf, model = pair
+    for prompt, out in zip(PROMPTS, model.generate(PROMPTS, max_new_tokens=2, prompt_logprobs=3), strict=True):
+        logp = hf_logits(hf, prompt).log_softmax(-1)[:-1]
+        first, *rest = out.prompt_logprobs
+        assert first is None and [e.token for e in rest] == prompt[1:]
+        want = logp.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        assert (torch.tensor([e.logprob for e in rest]) - want).abs().max() < 1e-4
+        assert [[i for i, _ in e.top] for e in rest] == logp.topk(3).indices.tolist()
+
+
 def test_presence_and_frequency_penalties_equal_a_step_by_step_reference(pair):
     hf, model = pair
     presence, frequency = 0.7, 0.4
@@ -243,15 +254,19 @@ def test_bad_values_are_refused_and_the_model_stays_usable(trained, bad):
 @pytest.mark.parametrize("attention", ["layer", "replicated"])
 def test_stop_strings_and_logprobs_on_two_rank_processes(trained, attention):
     """The ranks read the tokenizer to find stop strings; the head's rank (rank 1 under layer placement) sends
-    the log-probabilities with the tokens, and samples each row under its own parameters (logit_bias, min_tokens)."""
+    the log-probabilities with the tokens, samples each row under its own parameters (logit_bias, min_tokens) and
+    scores a prompt (prompt_logprobs)."""
     kw = dict(max_new_tokens=16, temperature=0.7, seed=[1, 2], stop=["ou", "ss"], logprobs=2)
     one = trained.generate([PROMPT, "And"], **kw)
-    rows = [SamplingParams(max_tokens=8, temperature=0, logit_bias={one[0].token_ids[0]: -100}),
+    rows = [SamplingParams(max_tokens=8, temperature=0, logit_bias={one[0].token_ids[0]: -100}, prompt_logprobs=2),
             SamplingParams(max_tokens=8, temperature=0.9, seed=3, min_tokens=8)]  # a row's own params, on the ranks
     with MoEModel.from_pretrained(TRAINED, gpus=2, attention=attention) as sharded:
         two = sharded.generate([PROMPT, "And"], **kw)
-        assert [o.token_ids for o in sharded.generate([PROMPT, "And"], rows)] == \
-            [o.token_ids for o in trained.generate([PROMPT, "And"], rows)]
+        got, want = sharded.generate([PROMPT, "And"], rows), trained.generate([PROMPT, "And"], rows)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        scored = [(e.token, e.logprob, [i for i, _ in e.top]) for e in got[0].prompt_logprobs[1:]]
+        assert scored == [(e.token, pytest.approx(e.logprob, abs=1e-4), [i for i, _ in e.top])
+                          for e in want[0].prompt_logprobs[1:]]
     for a, b in zip(one, two, strict=True):
         assert (a, a.token_ids, a.finish_reason, a.stop_reason) == (b, b.token_ids, b.finish_reason, b.stop_reason)
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4

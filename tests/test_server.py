@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 
 from moe import MoEModel
 from moe.parallel.distributed import free_port
@@ -59,6 +60,33 @@ def test_logit_bias_through_the_openai_client_equals_generate(server, local):
     got = server.client().completions.create(model="austen", prompt=PROMPTS[1], max_tokens=8, temperature=0,
                                              logit_bias={str(i): v for i, v in bias.items()})
     assert got.choices[0].text == str(want) != str(plain)
+
+
+def test_echo_with_logprobs_as_lm_eval_asks_scores_the_prompt_as_transformers_does(server, local):
+    """lm-eval-harness's loglikelihood request (token-id prompts, max_tokens 1, logprobs 1, echo, greedy): each
+    prompt token's log-probability is transformers' log-softmax of the tokens before it (none for the first); the text
+    and the entries are the prompt's, then the answer's; streamed, they add up to the same."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(TRAINED), dtype=torch.float32)
+    ids = [local.tokenizer.encode(p) for p in PROMPTS[:2]]
+    ask = dict(model="austen", prompt=ids, max_tokens=1, logprobs=1, echo=True, temperature=0)
+    got = server.client().completions.create(**ask)
+    for prompt, c in zip(ids, got.choices, strict=True):
+        with torch.no_grad():
+            logp = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+        want = logp[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
+        lp, top = c.logprobs.token_logprobs, c.logprobs.top_logprobs
+        assert lp[0] is None and top[0] is None and len(lp) == len(prompt) + 1
+        assert max(abs(a - b) for a, b in zip(lp[1:len(prompt)], want, strict=True)) < 1e-4
+        assert [max(t.values()) for t in top[1:len(prompt)]] == pytest.approx(logp[:-1].max(-1).values.tolist(),
+                                                                              abs=1e-4)
+        answer = local.generate(prompt, max_new_tokens=1, temperature=0)[0]
+        assert c.text == local.tokenizer.decode(prompt) + answer.text
+    chunks = list(server.client().completions.create(**ask, stream=True))
+    for i, c in enumerate(got.choices):
+        mine = [x for chunk in chunks for x in chunk.choices if x.index == i]
+        assert "".join(x.text for x in mine) == c.text
+        assert [v for x in mine if x.logprobs for v in x.logprobs.token_logprobs] == c.logprobs.token_logprobs
 
 
 def test_token_prompts_stop_strings_and_logprobs(server, local):
@@ -125,7 +153,7 @@ BAD = [
     ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
     ({"prompt": "x", "n": 1000}, 400, "n"),
     ({"prompt": ["x"] * 100}, 400, "prompt"),
-    ({"prompt": "x", "echo": True}, 400, "echo"),
+    ({"prompt": "x", "echo": "yes"}, 400, "echo"),
     ({"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
     ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
@@ -211,16 +239,22 @@ def test_two_ranks_answer_as_one(local, layout, tmp_path):
     with Server(TRAINED, "--gpus", "2", "--max-num-seqs", "3", *layout) as server:
         client = server.client()
 
-        def ask(job):
+        def ask(job):  # every other one echoes its prompt, scored on the ranks
             prompt, n, temperature, seed = job
-            return client.completions.create(model="tiny-moe-austen-bbe", prompt=prompt, max_tokens=n,
-                                             temperature=temperature, seed=seed).choices[0].text
+            c = client.completions.create(model="tiny-moe-austen-bbe", prompt=prompt, max_tokens=n,
+                                          temperature=temperature, seed=seed, echo=seed % 2 == 1,
+                                          logprobs=1 if seed % 2 else None).choices[0]
+            return c.text, c.logprobs.token_logprobs[1:] if c.logprobs else None
 
         with ThreadPoolExecutor(len(jobs)) as pool:
             got = list(pool.map(ask, jobs))
         assert server.stop() == 0
-    assert got == [str(local.generate([p], max_new_tokens=n, temperature=t, seed=s, ignore_eos=False)[0])
-                   for p, n, t, s in jobs]
+    for (text, scores), (p, n, t, s) in zip(got, jobs, strict=True):
+        want = local.generate(p, max_new_tokens=n, temperature=t, seed=s, prompt_logprobs=1 if s % 2 else None)[0]
+        assert text == (p if s % 2 else "") + str(want)
+        if s % 2:
+            assert scores[:len(want.prompt_logprobs) - 1] == pytest.approx([e.logprob for e in
+                                                                             want.prompt_logprobs[1:]], abs=1e-4)
 
 
 def test_the_serving_pages_curl_and_client_examples(server):

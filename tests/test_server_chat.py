@@ -44,6 +44,9 @@ def test_chat_completions_through_the_template(chat_server):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == str(want)
     assert server.post("/v1/chat/completions", {"messages": messages}).status_code == 401  # no key
+    refused = server.post("/v1/chat/completions", {"messages": messages, "echo": True},
+                          headers={"Authorization": "Bearer secret"})  # completions' echo; vLLM's chat one differs
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
     two = list(client.chat.completions.create(model=path.name, messages=messages, max_tokens=10, temperature=0, n=2,
                                               stream=True))
     assert [c.choices[0].delta.role for c in two[:2]] == ["assistant"] * 2 and [c.choices[0].index for c in two[:2]] \

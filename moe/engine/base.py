@@ -18,8 +18,8 @@ from moe.generation import GenerationResult, SamplingParams
 from moe.memory import MemoryUse
 
 # The calls a rank process serves; RemoteEngine forwards exactly these.
-ENGINE_CALLS = ("generate", "logits", "load_stats", "reset_load_stats", "set_round_robin", "track_entropy", "save",
-                "memory", "random_seed")
+ENGINE_CALLS = ("generate", "logits", "prompt_logprobs", "load_stats", "reset_load_stats", "set_round_robin",
+                "track_entropy", "save", "memory", "random_seed")
 
 
 class Engine(Protocol):
@@ -30,6 +30,10 @@ class Engine(Protocol):
 
     def logits(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         """[B, S, V] logits (no cache, positions from 0)."""
+
+    def prompt_logprobs(self, ids: list[list[int]], top: int) -> list[list[tuple[float, list[tuple[int, float]]]]]:
+        """Per prompt, per token after the first: its log-probability and the `top` most likely (id, value)
+        (`moe.generation.scoring`); computed where the head is, only these values sent."""
 
     def load_stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(routing counts [blocks, 2, experts], [router entropy sum, token-blocks it covers], rows computed per

@@ -17,6 +17,7 @@ from moe.checkpoint.distributed_save import save_distributed
 from moe.engine.ahead import AheadDecode, ahead_compilable
 from moe.engine.compiled import CompiledDecode
 from moe.generation import GenerationResult, SamplingParams, generate_tokens, stops
+from moe.generation.scoring import pack_prompt_logprobs, unpack_prompt_logprobs
 from moe.memory import MemoryUse
 from moe.parallel.distributed import single_process
 from moe.progress import Progress
@@ -109,6 +110,11 @@ class LocalEngine:
     @torch.inference_mode()
     def logits(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         return self.model(tokens_BS.to(self.device))
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, ids: list[list[int]], top: int) -> list:
+        return [unpack_prompt_logprobs(pack_prompt_logprobs(self.logits(torch.tensor([p]))[0], p, top).tolist(), top)
+                for p in ids]
 
     def load_stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         counts, entropy = local_load_stats(self.model)

@@ -35,6 +35,9 @@ class RemoteEngine:
     def logits(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         return self._call("logits", tokens_BS)
 
+    def prompt_logprobs(self, ids: list[list[int]], top: int) -> list:
+        return self._call("prompt_logprobs", ids, top)
+
     def load_stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self._call("load_stats")
 

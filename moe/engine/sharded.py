@@ -24,6 +24,7 @@ from models.transformer import Transformer, real_token_rows
 from moe.checkpoint.distributed_save import save_distributed
 from moe.engine.rows import Rows, balanced, homed
 from moe.generation import GenerationResult, SamplingParams, generate_tokens, stops
+from moe.generation.scoring import pack_prompt_logprobs, prompt_width, unpack_prompt_logprobs
 from moe.memory import MemoryUse
 from moe.parallel.agreement import check_routing_agrees
 from moe.parallel.distributed import DistContext
@@ -262,6 +263,15 @@ class ShardedEngine:
             B, S = tokens_BS.shape
             logits = torch.empty(B, S, self.model.cfg.vocab_size, dtype=self.dtype, device=self.dist.device)
         return self.dist.broadcast(logits, self.head_rank).cpu()
+
+    def prompt_logprobs(self, ids: list[list[int]], top: int) -> list:
+        out = []
+        for prompt in ids:
+            logits = self.tokens_to_logits(torch.tensor([prompt]), 0, None, None, last_only=False)
+            packed = (pack_prompt_logprobs(logits[0], prompt, top) if logits is not None else
+                      torch.empty(len(prompt) - 1, prompt_width(top), dtype=torch.long, device=self.dist.device))
+            out.append(unpack_prompt_logprobs(self.dist.broadcast(packed, self.head_rank).tolist(), top))
+        return out
 
     def load_stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Routing counters summed over all ranks, and the rows each rank's experts computed per block

@@ -24,6 +24,8 @@ class SamplingParams:
     new tokens (vLLM's; transformers' `min_new_tokens`). `include_stop_str_in_output` ends the text after the stop
     string rather than before it (vLLM's). `logit_bias` ({token id: bias in [-100, 100]}, OpenAI's) is added to the
     raw logits before the penalties (vLLM's and transformers' order); the log-probabilities stay the raw ones.
+    `prompt_logprobs=N`: each prompt token's log-probability given the ones before it, and the N most likely
+    (vLLM's; one more forward pass over the prompt).
     `seed` drives this prompt's own random stream: its samples do not depend on the rest of the batch; None (the
     default, as vLLM's) draws a fresh one where the request runs. `max_tokens` is vLLM's name for `max_new_tokens`:
     either may be given (`SamplingParams(temperature=0.8, max_tokens=32)`); it is read as `max_new_tokens`."""
@@ -45,6 +47,7 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: int | None = None
     max_tokens: InitVar[int | None] = None
 
     def __post_init__(self, max_tokens: int | None) -> None:
@@ -79,9 +82,10 @@ class SamplingParams:
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _biases(self.logit_bias))
-        if self.logprobs is not None:
-            _integer("logprobs", self.logprobs)
-            _within("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _integer(name, getattr(self, name))
+                _within(name, getattr(self, name), 0, MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -28,6 +28,8 @@ class _Outcome:
     logprobs: list[TokenLogprob] | None
     prompt_tokens: int
     seed: int  # the seed its samples were drawn with
+    # with prompt_logprobs=N: None for the first prompt token, then each one's (vLLM's `prompt_logprobs`)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def _fill(self, token_ids, finish_reason, stop_reason, logprobs, prompt_tokens, seed) -> None:
         self.token_ids, self.finish_reason, self.stop_reason = list(token_ids), finish_reason, stop_reason
@@ -54,7 +56,7 @@ class Completion(_Outcome, str):
 
     def __reduce__(self):
         return (Completion, (self.text, self.token_ids, self.finish_reason, self.stop_reason, self.logprobs,
-                             self.prompt_tokens, self.seed))
+                             self.prompt_tokens, self.seed), {"prompt_logprobs": self.prompt_logprobs})
 
 
 class TokenCompletion(_Outcome, list):
@@ -69,10 +71,12 @@ class TokenCompletion(_Outcome, list):
 
 
 def to_results(tokenizer: Tokenizer | None, prompts: list[list[int]], rows: list[RowOutput],
-               row_params: list[SamplingParams], is_text: bool) -> list[Completion] | list[TokenCompletion]:
-    """The loop's rows as results; text (decoded after its prompt, cut before a stop string) where a tokenizer is."""
+               row_params: list[SamplingParams], is_text: bool,
+               scores: list | None = None) -> list[Completion] | list[TokenCompletion]:
+    """The loop's rows as results; text (decoded after its prompt, cut before a stop string) where a tokenizer is;
+    `scores`: each prompt's packed prompt log-probabilities (`Engine.prompt_logprobs`), where asked."""
     out = []
-    for prompt, row, params in zip(prompts, rows, row_params, strict=True):
+    for b, (prompt, row, params) in enumerate(zip(prompts, rows, row_params, strict=True)):
         logprobs = None if row.logprobs is None else [TokenLogprob(t, lp, tuple(top))
                                                       for t, (lp, top) in zip(row.tokens, row.logprobs, strict=True)]
         text = None
@@ -85,4 +89,7 @@ def to_results(tokenizer: Tokenizer | None, prompts: list[list[int]], rows: list
             text, _ = cut_at_stop(text, params.stop, unchecked, params.include_stop_str_in_output)
         fields = (row.tokens, row.finish_reason, row.stop_reason, logprobs, len(prompt), params.seed)
         out.append(Completion(text, *fields) if is_text else TokenCompletion(*fields, text=text))
+        if params.prompt_logprobs is not None:
+            out[-1].prompt_logprobs = [None] + [TokenLogprob(t, lp, tuple(top[:params.prompt_logprobs]))
+                                                for t, (lp, top) in zip(prompt[1:], scores[b], strict=True)]
     return out

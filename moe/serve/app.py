@@ -102,7 +102,12 @@ class OpenAIServer:
 
     async def completions(self, request: HttpRequest) -> Response:
         body = protocol.check_fields(await self.read_json(request), "completions", self.state.served)
-        return await self.run(request, "completions", body, self.prompts_of(body.get("prompt")), None)
+        prompts = self.prompts_of(body.get("prompt"))
+        echo = None
+        if body.get("echo") is True:  # the prompt's text before the answer: as given, or token ids' text
+            texts, is_text = prompt_batch(body["prompt"])
+            echo = texts if is_text else [self.state.tokenizer.decode(ids) for ids in prompts]
+        return await self.run(request, "completions", body, prompts, None, echo)
 
     async def chat(self, request: HttpRequest) -> Response:
         body = protocol.check_fields(await self.read_json(request), "chat", self.state.served)
@@ -142,7 +147,8 @@ class OpenAIServer:
             raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (size {self.state.vocab_size})", param)
         return value
 
-    async def run(self, request: HttpRequest, kind: str, body: dict, prompts: list[list[int]], turn_end) -> Response:
+    async def run(self, request: HttpRequest, kind: str, body: dict, prompts: list[list[int]], turn_end,
+                  echo: list[str] | None = None) -> Response:
         if self.state.scheduler is None:
             raise ApiError(503, "the model is still loading", kind="ServiceUnavailable", headers={"Retry-After": "5"})
         if not all(prompts):  # an empty text where the tokenizer adds no BOS: nothing for the model to continue
@@ -169,17 +175,22 @@ class OpenAIServer:
                 scheduler.cancel(r)
             raise ApiError(503, str(e), kind="ServiceUnavailable", headers={"Retry-After": "1"}) from None
         rid, prompt_tokens = protocol.new_id(kind), sum(map(len, prompts))  # a prompt counts once, whatever n
+        echoes = [echo[i // n] for i in range(len(rows))] if echo is not None else None  # per choice
         if parsed[0].stream:
-            return StreamingResponse(self.stream(kind, rid, submitted, events, parsed[0].include_usage, prompt_tokens),
-                                     media_type="text/event-stream")
-        return await self.whole(request, kind, rid, submitted, events, prompt_tokens)
+            return StreamingResponse(self.stream(kind, rid, submitted, events, parsed[0].include_usage, prompt_tokens,
+                                                 echoes), media_type="text/event-stream")
+        return await self.whole(request, kind, rid, submitted, events, prompt_tokens, echoes)
 
-    async def whole(self, request, kind, rid, submitted, events: asyncio.Queue, prompt_tokens: int) -> Response:
-        pieces, entries, outs = [[] for _ in submitted], [[] for _ in submitted], [None] * len(submitted)
+    async def whole(self, request, kind, rid, submitted, events: asyncio.Queue, prompt_tokens: int,
+                    echoes: list[str] | None) -> Response:
+        pieces, entries, outs = [[e] for e in echoes or [""] * len(submitted)], [[] for _ in submitted], \
+            [None] * len(submitted)
         try:
             while any(out is None for out in outs):
                 i, event = await next_event(request, events)
-                if event[0] == "token":
+                if event[0] == "prompt":  # an echoed prompt's log-probabilities come first
+                    entries[i] = protocol.prompt_entries(submitted[i].prompt, event[1])
+                elif event[0] == "token":
                     pieces[i].append(event[2])
                     if event[3] is not None:
                         entries[i].append((event[1], *event[3]))
@@ -198,16 +209,25 @@ class OpenAIServer:
         use = protocol.usage(prompt_tokens, sum(len(out.tokens) for out in outs))
         return JSONResponse(protocol.envelope(kind, rid, self.state.served, choices, False, use))
 
-    async def stream(self, kind, rid, submitted, events: asyncio.Queue, include_usage, prompt_tokens: int):
+    async def stream(self, kind, rid, submitted, events: asyncio.Queue, include_usage, prompt_tokens: int,
+                     echoes: list[str] | None):
         open_rows, completion = len(submitted), 0
         try:
             for i in range(len(submitted)) if kind == "chat" else ():  # each choice's role first, as vLLM sends it
                 first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}
                 yield sse(protocol.envelope(kind, rid, self.state.served, [first], True))
+            for i, text in enumerate(echoes or ()):  # an echoed prompt first (with log-probabilities: once they come)
+                if submitted[i].params.prompt_logprobs is None:
+                    yield sse(protocol.envelope(kind, rid, self.state.served,
+                                                [protocol.choice(kind, i, text, None, None, delta=True)], True))
             while open_rows:
                 i, event = await events.get()
-                if event[0] == "token":
+                if event[0] == "prompt":
+                    scores = self.logprobs(kind, protocol.prompt_entries(submitted[i].prompt, event[1]))
+                    part = protocol.choice(kind, i, echoes[i], None, scores, delta=True)
+                    yield sse(protocol.envelope(kind, rid, self.state.served, [part], True))
+                elif event[0] == "token":
                     completion += event[1] is not None
                     entries = [(event[1], *event[3])] if event[3] is not None else None
                     if event[2] or entries:

@@ -112,6 +112,12 @@ class RunningBatch:
         self._set_padding()
         return logits
 
+    def prompt_logprobs(self, row: Row) -> list:
+        """A prompt's own log-probabilities (`Engine.prompt_logprobs`): a pass without caches, on rows apart from the
+        batch."""
+        with self._apart({}, [0]):
+            return self.engine.prompt_logprobs([row.prompt], row.params.prompt_logprobs)[0]
+
     def start_prefill(self, row: Row) -> None:
         (home,) = self._new_homes(1)
         with self._apart({}, [home]):

@@ -46,6 +46,7 @@ class EngineLoop:
             self.batch.leave(plan.leave)
             if plan.join:
                 rows = [Row(rid, prompt, params) for rid, prompt, params in plan.join]
+                self._score([r for r in rows if r.params.prompt_logprobs is not None])
                 whole = [r for r in rows if len(r.prompt) <= self.chunk]
                 if whole:
                     self._sample(self.batch.join(whole), whole)
@@ -75,6 +76,14 @@ class EngineLoop:
         if int(self.dist.broadcast(flag, 0).item()) == 0:
             return Plan()
         return self.dist.broadcast_object(plan, 0)
+
+    def _score(self, rows: list[Row]) -> None:
+        """The prompt log-probabilities of joining sequences that ask (OpenAI's `echo` with `logprobs`): one more
+        pass over each prompt, on every rank; rank 0 sends them to the request before its first token."""
+        for row in rows:
+            entries = self.batch.prompt_logprobs(row)
+            if self.scheduler is not None:
+                self.scheduler.scored(row.request, entries)
 
     def _sample(self, logits: torch.Tensor | None, rows: list[Row]) -> None:
         """Sample on the head's rank, share with every rank, record; rank 0 delivers to the requests."""

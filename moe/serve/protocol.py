@@ -18,14 +18,14 @@ log = logging.getLogger("moe.serve")
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "stream", "stream_options", "ignore_eos",
           "n", "user", "logprobs", "skip_special_tokens", "min_tokens", "include_stop_str_in_output", "logit_bias"}
-FIELDS = {"completions": COMMON | {"prompt"},
+FIELDS = {"completions": COMMON | {"prompt", "echo"},
           "chat": COMMON | {"messages", "top_logprobs", "max_completion_tokens", "chat_template_kwargs",
                             "add_generation_prompt"},
           "tokenize": {"model", "prompt", "messages", "add_special_tokens", "chat_template_kwargs",
                        "add_generation_prompt"},
           "detokenize": {"model", "tokens"}}
 # OpenAI's fields this server does not support, and vLLM's that would change an answer: refused by name
-REFUSED = ("echo", "suffix", "best_of", "tools", "tool_choice", "functions", "function_call",
+REFUSED = ("suffix", "best_of", "tools", "tool_choice", "functions", "function_call",
            "response_format", "parallel_tool_calls", "audio", "modalities", "prediction", "prompt_logprobs",
            "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "bad_words",
            "allowed_token_ids", "continue_final_message", "truncate_prompt_tokens", "logits_processors")
@@ -57,7 +57,7 @@ class Parsed:
 def check_fields(body: object, kind: str, served: str) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    for name in REFUSED:
+    for name in REFUSED + (("echo",) if kind == "chat" else ()):
         if body.get(name) not in (None, False, [], {}):
             raise ApiError(400, f"'{name}' is not supported by this server", name)
     unknown = sorted(set(body) - FIELDS[kind] - set(REFUSED))
@@ -108,9 +108,12 @@ def sampling(body: dict, kind: str, prompt_len: int, max_model_len: int, turn_en
     stop_ids = list(body.get("stop_token_ids") or [])
     if turn_end is not None and turn_end not in stop_ids:
         stop_ids.append(turn_end)
+    if not isinstance(body.get("echo", False), bool):
+        raise ApiError(400, f"echo must be true or false, got {body['echo']!r}", "echo")
+    logprobs = logprob_count(body, kind)
     try:
         params = SamplingParams(max_tokens, **values, stop=() if stop is None else stop, stop_token_ids=stop_ids,
-                                logprobs=logprob_count(body, kind))
+                                logprobs=logprobs, prompt_logprobs=logprobs if body.get("echo") else None)
     except (ValueError, TypeError) as e:
         message = str(e)
         param = name if message.startswith("max_new_tokens") else message.split()[0].split("[")[0]  # logit_bias[5]
@@ -167,12 +170,17 @@ def logprobs_object(kind: str, entries, decode) -> dict | None:
     """OpenAI's log-probabilities: completions' token lists, or chat's `content` entries."""
     if entries is None:
         return None
-    if kind == "completions":
+    if kind == "completions":  # an echoed prompt's first token has no log-probability: None, as OpenAI's
         return {"tokens": [decode(t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [{decode(i): v for i, v in top} for _, _, top in entries]}
+                "top_logprobs": [None if top is None else {decode(i): v for i, v in top} for _, _, top in entries]}
     return {"content": [{"token": decode(t), "logprob": lp, "bytes": list(decode(t).encode()),
                          "top_logprobs": [{"token": decode(i), "logprob": v, "bytes": list(decode(i).encode())}
                                           for i, v in top]} for t, lp, top in entries]}
+
+
+def prompt_entries(prompt: list[int], scores: list) -> list[tuple]:
+    """An echoed prompt's (token, log-probability, top) entries: none for its first token, as OpenAI's."""
+    return [(prompt[0], None, None)] + [(t, lp, top) for t, (lp, top) in zip(prompt[1:], scores, strict=True)]
 
 
 def choice(kind: str, index: int, text: str, out: RowOutput | None, logprobs: dict | None, delta: bool) -> dict:

@@ -29,7 +29,9 @@ class QueueFull(Exception):
 class Request:
     prompt: list[int]
     params: SamplingParams
-    sink: Callable[[tuple], None]  # gets ("token", id, text piece, logprob entry or None) and ("end", RowOutput)
+    # gets ("prompt", prompt log-probabilities) where asked, ("token", id, text piece, logprob entry or None) and
+    # ("end", RowOutput)
+    sink: Callable[[tuple], None]
     text: StopText | None = None  # made when submitted: the text streamed, held back for stop strings
     id: int = 0
     out: RowOutput = field(default_factory=RowOutput)
@@ -156,6 +158,12 @@ class Scheduler:
                     request.sink(("token", None, rest, None))
                 request.sink(("end", request.out))
                 self.metrics.finished(request)
+
+    def scored(self, rid: int, entries: list) -> None:
+        """A joining request's prompt log-probabilities, before its first token."""
+        request = self.running.get(rid)
+        if request is not None and not request.cancelled:
+            request.sink(("prompt", entries))
 
     def fail_all(self, why: str) -> None:
         """A rank died: every request gets the error; nothing more is accepted."""
