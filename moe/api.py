@@ -43,6 +43,8 @@ from moe.reports.expert_load import ExpertLoadReport
 from moe.tokenizer import Tokenizer, load_tokenizer
 from moe.workers.rank import ShardSpec
 
+CHAT_MAX_NEW_TOKENS = 256  # a reply's default length (generate's: DEFAULT_MAX_NEW_TOKENS)
+
 
 class MoEModel:
     def __init__(self, engine: Engine, config: ModelConfig, tokenizer: Tokenizer | None, info: ModelInfo,
@@ -225,9 +227,10 @@ class MoEModel:
                               stop_token_ids=() if stop_token_ids is None else stop_token_ids)
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             max_new_tokens: int | SamplingParams | list[SamplingParams] = 256, *, chat_template: str | None = None,
-             template_kwargs: dict | None = None, tools: list[dict] | None = None, seed: int | list[int] | None = None,
-             streamer: Callable[[int, str], None] | None = None, sampling_params=None,
+             max_new_tokens: int | SamplingParams | list[SamplingParams] = CHAT_MAX_NEW_TOKENS, *,
+             chat_template: str | None = None, template_kwargs: dict | None = None, tools: list[dict] | None = None,
+             seed: int | list[int] | None = None, streamer: Callable[[int, str], None] | None = None,
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
              **sampling) -> Completion | list[Completion]:
         """The assistant's reply to one conversation (a list of {"role", "content"} messages), or a list of replies
         to a list of conversations, through the checkpoint's chat template (`chat_template`: another template's
@@ -242,10 +245,10 @@ class MoEModel:
                for c in conversations]
         turn_end = end_of_turn_id(self.tokenizer, template)
         if isinstance(max_new_tokens, (SamplingParams, list, tuple)):
-            max_new_tokens, sampling_params = 256, max_new_tokens
+            max_new_tokens, sampling_params = CHAT_MAX_NEW_TOKENS, max_new_tokens
         rows = self._rows(len(ids), max_new_tokens, seed, sampling_params, sampling,
                           [k for k, v in sampling.items() if v != KEYWORD_DEFAULTS.get(k)]
-                          + ["max_new_tokens"] * (max_new_tokens != 256))
+                          + ["max_new_tokens"] * (max_new_tokens != CHAT_MAX_NEW_TOKENS))
         replies = self._generate(ids, rows, streamer, True, () if turn_end is None else (turn_end,))
         return replies if batched else replies[0]
 
