@@ -82,6 +82,17 @@ class Tokenizer:
 
         return find_chat_template(self.path.parent), named_templates(self.path.parent)
 
+    def token_text(self, token: int) -> str:
+        """One token's text as it reads inside a text, for log-probability entries (vLLM's `decoded_token`): the
+        leading space of a SentencePiece word, which a decode of the token alone drops, is kept, so that a
+        sequence's token texts add up to its text. Decoded after an ordinary token; each id once."""
+        texts = self.__dict__.setdefault("_token_texts", {})
+        if token not in texts:
+            if "_anchor" not in self.__dict__:
+                self._anchor = self.encode("a", bos=False)[:1]
+            texts[token] = self.decode_continuation(self._anchor, [token], skip_special_tokens=False)
+        return texts[token]
+
     def decode_continuation(self, prompt: list[int], new: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `new` as it reads after `prompt`: a tokenizer may drop a leading space at the start of a
         decode, which would glue the first new word to the prompt's last one. Generated text leaves special tokens

@@ -98,6 +98,8 @@ def test_token_prompts_stop_strings_and_logprobs(server, local):
     kept = server.post("/v1/completions", body | {"include_stop_str_in_output": True}).json()["choices"][0]
     assert kept["text"] == want.text + "," and kept["stop_reason"] == ","  # vLLM's field
     assert got["logprobs"]["token_logprobs"] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
+    assert "".join(got["logprobs"]["tokens"]) == kept["text"]  # each token's text as in the text (spaces kept),
+    # the token that holds the stop string too, as vLLM lists it
     held = local.generate([ids], max_new_tokens=16, temperature=0, stop=[" "], min_tokens=5)[0]  # vLLM's field
     body = {"prompt": ids, "max_tokens": 16, "temperature": 0, "stop": [" "], "min_tokens": 5}
     assert server.post("/v1/completions", body).json()["choices"][0]["text"] == held.text and len(held.token_ids) > 5

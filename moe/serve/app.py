@@ -250,7 +250,7 @@ class OpenAIServer:
                 self.state.scheduler.cancel(req)
 
     def logprobs(self, kind: str, entries):
-        return protocol.logprobs_object(kind, entries, lambda t: self.state.tokenizer.decode([t]))
+        return protocol.logprobs_object(kind, entries, self.state.tokenizer.token_text)
 
     async def read_json(self, request: HttpRequest) -> dict:
         declared = request.headers.get("content-length")
