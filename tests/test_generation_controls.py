@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moe import MoEModel, SamplingParams
+from moe.generation import scoring
 from tests.checkpoints import TRAINED, hf_model
 
 PROMPTS = [[1, 17, 99, 5, 42, 7], [1, 64, 3, 12], [1, 88, 23, 51, 9, 30, 77, 4, 11]]
@@ -68,7 +69,10 @@ def test_logit_bias_greedy_equals_transformers_sequence_bias(pair):
         assert list(got) == want and want != plain and plain[1] not in want
 
 
-def test_prompt_logprobs_equal_transformers_log_softmax(pair):
+@pytest.mark.parametrize("chunk", [512, 2])
+def test_prompt_logprobs_equal_transformers_log_softmax(pair, chunk, monkeypatch):
+    """Scored in chunks on a cache of the prompt's own (of 2 positions here: every boundary crossed)."""
+    monkeypatch.setattr(scoring, "SCORE_CHUNK", chunk)
     hf, model = pair
     for prompt, out in zip(PROMPTS, model.generate(PROMPTS, max_new_tokens=2, prompt_logprobs=3), strict=True):
         logp = hf_logits(hf, prompt).log_softmax(-1)[:-1]

@@ -17,7 +17,7 @@ from moe.checkpoint.distributed_save import save_distributed
 from moe.engine.ahead import AheadDecode, ahead_compilable
 from moe.engine.compiled import CompiledDecode
 from moe.generation import GenerationResult, SamplingParams, generate_tokens, stops
-from moe.generation.scoring import pack_prompt_logprobs, unpack_prompt_logprobs
+from moe.generation.scoring import prompt_scores
 from moe.memory import MemoryUse
 from moe.parallel.distributed import single_process
 from moe.progress import Progress
@@ -113,8 +113,12 @@ class LocalEngine:
 
     @torch.inference_mode()
     def prompt_logprobs(self, ids: list[list[int]], top: int) -> list:
-        return [unpack_prompt_logprobs(pack_prompt_logprobs(self.logits(torch.tensor([p]))[0], p, top).tolist(), top)
-                for p in ids]
+        out = []
+        for prompt in ids:  # on caches of its own: the engine's (a server's running batch) are left as they are
+            caches = self.model.make_caches(1, len(prompt))
+            out.append(prompt_scores(lambda t, s, c=caches: self.model(t.to(self.device), s, c),
+                                     lambda packed: packed, prompt, top, self.device))
+        return out
 
     def load_stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         counts, entropy = local_load_stats(self.model)

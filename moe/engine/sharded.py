@@ -24,7 +24,7 @@ from models.transformer import Transformer, real_token_rows
 from moe.checkpoint.distributed_save import save_distributed
 from moe.engine.rows import Rows, balanced, homed
 from moe.generation import GenerationResult, SamplingParams, generate_tokens, stops
-from moe.generation.scoring import pack_prompt_logprobs, prompt_width, unpack_prompt_logprobs
+from moe.generation.scoring import prompt_scores
 from moe.memory import MemoryUse
 from moe.parallel.agreement import check_routing_agrees
 from moe.parallel.distributed import DistContext
@@ -267,11 +267,22 @@ class ShardedEngine:
     def prompt_logprobs(self, ids: list[list[int]], top: int) -> list:
         out = []
         for prompt in ids:
-            logits = self.tokens_to_logits(torch.tensor([prompt]), 0, None, None, last_only=False)
-            packed = (pack_prompt_logprobs(logits[0], prompt, top) if logits is not None else
-                      torch.empty(len(prompt) - 1, prompt_width(top), dtype=torch.long, device=self.dist.device))
-            out.append(unpack_prompt_logprobs(self.dist.broadcast(packed, self.head_rank).tolist(), top))
+            caches, padding = self._scoring_caches(len(prompt))
+            out.append(prompt_scores(lambda t, s, c=caches, p=padding: self.tokens_to_logits(t, s, p, c, False),
+                                     lambda packed: self.dist.broadcast(packed, self.head_rank), prompt, top,
+                                     self.dist.device))
         return out
+
+    def _scoring_caches(self, length: int) -> tuple[dict[str, KVCache], Padding]:
+        """A batch of one's caches, made as an eager request's (not a compiled step's, which a shape would keep), for
+        calls that pass them: the engine's own caches, padding and compiled step are left as they were."""
+        kept = self.caches, self.padding, getattr(self, "compiled", None)
+        self.compiled = None
+        try:
+            self.start(1, length, torch.zeros(1, dtype=torch.long))
+            return self.caches, self.padding
+        finally:
+            self.caches, self.padding, self.compiled = kept
 
     def load_stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Routing counters summed over all ranks, and the rows each rank's experts computed per block

@@ -113,8 +113,8 @@ class RunningBatch:
         return logits
 
     def prompt_logprobs(self, row: Row) -> list:
-        """A prompt's own log-probabilities (`Engine.prompt_logprobs`): a pass without caches, on rows apart from the
-        batch."""
+        """A prompt's own log-probabilities (`Engine.prompt_logprobs`): a pass on caches of its own, on rows apart
+        from the batch."""
         with self._apart({}, [0]):
             return self.engine.prompt_logprobs([row.prompt], row.params.prompt_logprobs)[0]
 
