@@ -69,11 +69,8 @@ class Sampler:
             tokens_B = torch.where(self.greedy_B, tokens_B, self.draw(logits_BV / self.temperature))
         if self.top is None:
             return tokens_B[:, None]
-        logp_BV = raw_BV.log_softmax(dim=-1)
-        chosen_B1 = logp_BV.gather(1, tokens_B[:, None])
-        top = logp_BV.topk(self.top, dim=-1)
-        bits = torch.cat([chosen_B1, top.values], dim=1).view(torch.int32).long()
-        return torch.cat([tokens_B[:, None], bits, top.indices], dim=1)
+        bits, ids = logprob_bits(raw_BV.log_softmax(dim=-1), tokens_B, self.top)
+        return torch.cat([tokens_B[:, None], bits, ids], dim=1)
 
     def penalise(self, logits_BV: torch.Tensor) -> torch.Tensor:
         if self.bias_BV is not None:
@@ -169,6 +166,14 @@ def packed_width(top: int | None) -> int:
     """Values per row of the sampler's packed result, known on every rank before the head's rank samples: the
     token, then (with log-probabilities) the chosen one's and the top-N's as float32 bits, and the top-N's ids."""
     return 1 if top is None else 2 + 2 * top
+
+
+def logprob_bits(logp_BV: torch.Tensor, chosen_B: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's log-probability of its chosen id and its `top` best, as int64 holding float32 bits, and the best
+    ids: the layout `unpack_logprobs` reads (bits, then ids), one integer tensor for one broadcast."""
+    best = logp_BV.topk(top, dim=-1)
+    bits = torch.cat([logp_BV.gather(1, chosen_B[:, None]), best.values], dim=1).view(torch.int32).long()
+    return bits, best.indices
 
 
 def unpack_logprobs(row: list[int], top: int) -> tuple[float, list[tuple[int, float]]]:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from moe.generation.sampler import unpack_logprobs
+from moe.generation.sampler import logprob_bits, unpack_logprobs
 
 SCORE_CHUNK = 512  # positions whose logits exist at once: [512, V] in fp32, 311 MB at a 152k-token vocabulary
 
@@ -33,7 +33,5 @@ def prompt_scores(forward: Callable[[torch.Tensor, int], torch.Tensor | None],
 
 def pack(logits_SV: torch.Tensor, following: list[int], top: int) -> torch.Tensor:
     """[S, 1 + 2 * top] int64: position i's log-probability of following[i], and the `top` best (bits, then ids)."""
-    logp_SV = logits_SV.float().log_softmax(dim=-1)
-    chosen = logp_SV.gather(1, torch.tensor(following, dtype=torch.long, device=logp_SV.device)[:, None])
-    best = logp_SV.topk(top, dim=-1)
-    return torch.cat([torch.cat([chosen, best.values], dim=1).view(torch.int32).long(), best.indices], dim=1)
+    following_S = torch.tensor(following, dtype=torch.long, device=logits_SV.device)
+    return torch.cat(logprob_bits(logits_SV.float().log_softmax(dim=-1), following_S, top), dim=1)
