@@ -102,11 +102,10 @@ class OpenAIServer:
 
     async def completions(self, request: HttpRequest) -> Response:
         body = protocol.check_fields(await self.read_json(request), "completions", self.state.served)
-        prompts = self.prompts_of(body.get("prompt"))
+        prompts, texts = self.prompts_of(body.get("prompt"))
         echo = None
         if body.get("echo") is True:  # the prompt's text before the answer: as given, or token ids' text
-            texts, is_text = prompt_batch(body["prompt"])
-            echo = texts if is_text else [self.state.tokenizer.decode(ids) for ids in prompts]
+            echo = texts or [self.state.tokenizer.decode(ids) for ids in prompts]
         return await self.run(request, "completions", body, prompts, None, echo)
 
     async def chat(self, request: HttpRequest) -> Response:
@@ -127,7 +126,8 @@ class OpenAIServer:
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
 
-    def prompts_of(self, prompt: object) -> list[list[int]]:
+    def prompts_of(self, prompt: object) -> tuple[list[list[int]], list[str] | None]:
+        """The prompts' ids, and their texts where they came as text."""
         try:
             prompts, is_text = prompt_batch(prompt)  # the forms `generate` takes
         except TypeError as e:
@@ -135,8 +135,8 @@ class OpenAIServer:
         if not prompts:
             raise ApiError(400, "prompt must be a string, a list of strings, or (lists of) token ids", "prompt")
         if is_text:
-            return [self.state.tokenizer.encode(p) for p in prompts]
-        return [self.token_ids(p, "prompt") for p in prompts]
+            return [self.state.tokenizer.encode(p) for p in prompts], prompts
+        return [self.token_ids(p, "prompt") for p in prompts], None
 
     def token_ids(self, value: object, param: str) -> list[int]:
         if not isinstance(value, list) or not value or not all(isinstance(t, int) and not isinstance(t, bool)
