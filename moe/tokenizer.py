@@ -86,12 +86,18 @@ class Tokenizer:
         """One token's text as it reads inside a text, for log-probability entries (vLLM's `decoded_token`): the
         leading space of a SentencePiece word, which a decode of the token alone drops, is kept, so that a
         sequence's token texts add up to its text. Decoded after an ordinary token; each id once."""
-        texts = self.__dict__.setdefault("_token_texts", {})
-        if token not in texts:
-            if "_anchor" not in self.__dict__:
-                self._anchor = self.encode("a", bos=False)[:1]
-            texts[token] = self.decode_continuation(self._anchor, [token], skip_special_tokens=False)
-        return texts[token]
+        if token not in self._token_texts:
+            self._token_texts[token] = self.decode_continuation(self._anchor, [token], skip_special_tokens=False)
+        return self._token_texts[token]
+
+    @functools.cached_property
+    def _token_texts(self) -> dict[int, str]:
+        return {}
+
+    @functools.cached_property
+    def _anchor(self) -> list[int]:
+        """An ordinary token for `token_text` to decode after."""
+        return self.encode("a", bos=False)[:1]
 
     def decode_continuation(self, prompt: list[int], new: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `new` as it reads after `prompt`: a tokenizer may drop a leading space at the start of a
