@@ -96,18 +96,24 @@ def keep_to_share(rank: int, world_size: int, threads: int) -> bool:
 
 
 GLOO_IO_THREAD = "gloo_tcp_loop"  # the name gloo gives the thread of its TCP transport's event loop
+PF_EXITING = 0x4  # a task's flag (the 9th field of /proc/.../stat) from the start of its exit
 
 
 def gloo_io_threads() -> list[int]:
-    """The thread ids of gloo's I/O threads in this process (one per gloo context). Linux only; elsewhere none."""
+    """The thread ids of gloo's I/O threads in this process (one per gloo context). A thread past gloo's join but
+    not yet reaped by the kernel is listed in /proc for a moment; it runs no more code and is not counted. Linux
+    only; elsewhere none."""
     tasks = Path("/proc/self/task")
     found = []
     for task in tasks.iterdir() if tasks.is_dir() else ():
         try:
-            if (task / "comm").read_text().strip() == GLOO_IO_THREAD:
-                found.append(int(task.name))
+            if (task / "comm").read_text().strip() != GLOO_IO_THREAD:
+                continue
+            flags = int((task / "stat").read_text().rsplit(")", 1)[1].split()[6])
         except OSError:  # a thread that ended meanwhile
             continue
+        if not flags & PF_EXITING:
+            found.append(int(task.name))
     return found
 
 
