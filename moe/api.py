@@ -231,17 +231,20 @@ class MoEModel:
              chat_template: str | None = None, template_kwargs: dict | None = None, tools: list[dict] | None = None,
              seed: int | list[int] | None = None, streamer: Callable[[int, str], None] | None = None,
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             add_generation_prompt: bool | None = None, continue_final_message: bool = False,
              **sampling) -> Completion | list[Completion]:
         """The assistant's reply to one conversation (a list of {"role", "content"} messages), or a list of replies
         to a list of conversations, through the checkpoint's chat template (`chat_template`: another template's
         source or name; `template_kwargs`: the template's own switches, e.g. {"enable_thinking": False}). It stops at
         the template's end-of-turn token too. `sampling`: `generate`'s keywords, or (as vLLM's `chat`) a
-        `SamplingParams` as the second argument or `sampling_params`."""
-        batched = bool(messages) and isinstance(messages[0], (list, tuple))
-        conversations = messages if batched else [messages]
+        `SamplingParams` as the second argument or `sampling_params`. `continue_final_message`: the reply goes on with
+        the last message, not a new turn (`add_generation_prompt` then defaults to False), as vLLM's `chat`."""
+        conversations = messages if (many := bool(messages) and isinstance(messages[0], (list, tuple))) else [messages]
         template = self.tokenizer.chat_template(chat_template)
-        ids = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=False,
-                                                  chat_template=template, tools=tools, **(template_kwargs or {}))
+        opens = not continue_final_message if add_generation_prompt is None else add_generation_prompt
+        ids = [self.tokenizer.apply_chat_template(c, opens, return_dict=False, chat_template=template,
+                                                  tools=tools, continue_final_message=continue_final_message,
+                                                  **(template_kwargs or {}))
                for c in conversations]
         turn_end = end_of_turn_id(self.tokenizer, template)
         if isinstance(max_new_tokens, (SamplingParams, list, tuple)):
@@ -250,7 +253,7 @@ class MoEModel:
                           [k for k, v in sampling.items() if v != KEYWORD_DEFAULTS.get(k)]
                           + ["max_new_tokens"] * (max_new_tokens != CHAT_MAX_NEW_TOKENS))
         replies = self._generate(ids, rows, streamer, True, () if turn_end is None else (turn_end,))
-        return replies if batched else replies[0]
+        return replies if many else replies[0]
 
     def _generate(self, ids: list[list[int]], rows: list[SamplingParams],
                   streamer: Callable[[int, str | int], None] | None, is_text: bool,

@@ -46,15 +46,18 @@ class Tokenizer:
 
     def apply_chat_template(self, conversation: list[dict] | list[list[dict]], add_generation_prompt: bool = False,
                             tokenize: bool = True, return_dict: bool = True, chat_template: str | None = None,
-                            tools: list[dict] | None = None, documents: list[dict] | None = None, **kwargs):
+                            tools: list[dict] | None = None, documents: list[dict] | None = None,
+                            continue_final_message: bool = False, **kwargs):
         """transformers' method of this name (v5): the rendered text when `tokenize=False`, else the ids (a dict
         with `input_ids` and `attention_mask` when `return_dict`); a list of them for a list of conversations.
-        `chat_template` is a template's source or the name of one of the checkpoint's named templates."""
+        `chat_template` is a template's source or the name of one of the checkpoint's named templates;
+        `continue_final_message`: end inside the last message, for the model to go on with it."""
         from moe.chat.template import render
 
         source = self.chat_template(chat_template)
         batched = bool(conversation) and isinstance(conversation[0], (list, tuple))
-        texts = [render(source, c, self.special_texts, add_generation_prompt, tools, documents, **kwargs)
+        texts = [render(source, c, self.special_texts, add_generation_prompt, tools, documents,
+                       continue_final_message, **kwargs)
                  for c in (conversation if batched else [conversation])]
         if tokenize:
             ids = [self.encode_special(t) for t in texts]

@@ -271,3 +271,37 @@ def test_an_agent_template_with_tool_calls_and_results_renders_as_in_transformer
         assert ours.tokenizer.apply_chat_template(messages, return_dict=False, **kw) == \
             theirs.apply_chat_template(messages, return_dict=False, **kw)
     assert '<arg name="days">[1, 2]</arg>' in text and "<result>18 C</result><result>rain</result><|im_end|>" in text
+
+
+TRIMMED = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}"
+PARTS = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% for p in m.content %}{{ p.text }}|{% endfor %}"
+         "<|im_end|>\n{% endfor %}")
+ASKED = CONVERSATION[:3]
+CONTINUED = {"chatml": (CHATML, ASKED), "mixtral": (MIXTRAL, CONVERSATION[1:3]),
+             "trailing-space-kept": (CHATML, ASKED[:2] + [{"role": "assistant", "content": "A young "}]),
+             "trailing-space-trimmed": (TRIMMED, ASKED[:2] + [{"role": "assistant", "content": "A young "}]),
+             "content-parts": (PARTS, [{"role": "user", "content": [{"type": "text", "text": "Who?"}]},
+                                       {"role": "assistant", "content": [{"type": "text", "text": "A"},
+                                                                         {"type": "text", "text": "young"}]}])}
+
+
+@pytest.mark.parametrize("case", CONTINUED)
+def test_continuing_the_final_message_equals_transformers(tmp_path, case):
+    template, messages = CONTINUED[case]
+    ours, theirs = both(checkpoint(tmp_path, template_config=template))
+    text = ours.tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert text == theirs.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert not text.endswith(("<|im_end|>\n", "</s>"))  # it ends inside the last message
+    assert (ours.tokenizer.apply_chat_template(messages, return_dict=False, continue_final_message=True)
+            == theirs.apply_chat_template(messages, return_dict=False, continue_final_message=True))
+
+
+def test_chat_goes_on_with_the_final_message_and_refuses_a_new_turn_beside_it(tmp_path):
+    with MoEModel.from_pretrained(checkpoint(tmp_path, template_config=CHATML)) as model:
+        prompt = model.tokenizer.apply_chat_template(ASKED, continue_final_message=True, return_dict=False)
+        free = model.generate([prompt], max_new_tokens=6, ignore_eos=True, temperature=0)[0]
+        reply = model.chat(ASKED, max_new_tokens=6, ignore_eos=True, temperature=0, continue_final_message=True)
+        assert reply.token_ids == free.token_ids
+        with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt cannot both be set"):
+            model.chat(ASKED, continue_final_message=True, add_generation_prompt=True)
+        assert model.chat(ASKED, max_new_tokens=6, ignore_eos=True, temperature=0, continue_final_message=True) == reply

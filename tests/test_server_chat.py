@@ -76,6 +76,24 @@ def test_chat_template_kwargs_default_from_the_command_line_and_the_requests_win
         assert response.json()["error"]["param"] == "chat_template_kwargs"
 
 
+def test_continue_final_message_goes_on_with_the_last_message_as_vllm_does(chat_server):
+    server, path = chat_server
+    messages = [{"role": "user", "content": "Who is Emma?"}, {"role": "assistant", "content": "She is"}]
+    with MoEModel.from_pretrained(path) as model:
+        want = model.chat(messages, max_new_tokens=8, temperature=0, ignore_eos=True, continue_final_message=True)
+        ids = model.tokenizer.apply_chat_template(messages, continue_final_message=True, return_dict=False)
+    got = server.client(api_key="secret").chat.completions.create(
+        model=path.name, messages=messages, max_tokens=8, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False, "ignore_eos": True})
+    assert got.choices[0].message.content == str(want) and got.usage.prompt_tokens == len(ids)
+    headers = {"Authorization": "Bearer secret"}
+    tokens = server.post("/tokenize", {"messages": messages, "continue_final_message": True}, headers=headers)
+    assert tokens.json()["tokens"] == ids  # add_generation_prompt left out: off beside continue_final_message
+    both = server.post("/v1/chat/completions", {"messages": messages, "continue_final_message": True,
+                                                "add_generation_prompt": True}, headers=headers)
+    assert both.status_code == 400 and "Cannot set both `continue_final_message`" in both.json()["error"]["message"]
+
+
 def test_content_parts_read_as_vllm_reads_them(chat_server):
     """OpenAI's list of content parts: text parts joined by a newline for this template, which prints a string
     (`moe.chat.template.text_content`); an image part is refused by name."""

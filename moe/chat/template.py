@@ -94,22 +94,55 @@ def compiled(source: str):
 
 
 def render(source: str, messages: list[dict], special: dict[str, str], add_generation_prompt: bool = False,
-           tools: list[dict] | None = None, documents: list[dict] | None = None, **extra) -> str:
+           tools: list[dict] | None = None, documents: list[dict] | None = None,
+           continue_final_message: bool = False, **extra) -> str:
     """The conversation as the template writes it. A message is a dict with at least `role`; keys whose value is
-    None are dropped (as transformers does)."""
+    None are dropped (as transformers does). `continue_final_message`: the text ends inside the last message, right
+    after its content, for the model to go on writing it (transformers' and vLLM's switch of this name)."""
     import jinja2
 
     check_messages(messages)
     messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    if continue_final_message:
+        if add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be set: the first goes on "
+                             "with the last message, the second opens a new one")
+        messages[-1] = _marked(messages[-1])
     try:
-        return compiled(source).render(messages=messages, tools=tools, documents=documents,
+        text = compiled(source).render(messages=messages, tools=tools, documents=documents,
                                        add_generation_prompt=add_generation_prompt, **(special | extra))
     except jinja2.exceptions.TemplateError as e:
         raise ValueError(f"the chat template refused the conversation: {e}") from None
+    return _cut_at_mark(text) if continue_final_message else text
+
+
+# Appended to the last message's text to find where it ends in the rendered conversation; the space tells whether
+# the template strips the message's trailing space, which the cut then strips too (as transformers does).
+CONTINUE_MARK = "<<moe:continue-final-message>> "
+
+
+def _marked(message: dict) -> dict:
+    content = message.get("content")
+    if isinstance(content, str):
+        return message | {"content": content + CONTINUE_MARK}
+    texts = [i for i, part in enumerate(content or ()) if isinstance(part, dict) and "text" in part]
+    if not texts:
+        raise ValueError("continue_final_message: the last message has no text to continue")
+    parts = list(content)
+    parts[texts[-1]] = parts[texts[-1]] | {"text": parts[texts[-1]]["text"] + CONTINUE_MARK}
+    return message | {"content": parts}
+
+
+def _cut_at_mark(text: str) -> str:
+    at = text.rfind(CONTINUE_MARK.strip())
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template does not write the last message's content")
+    return text[:at] if text.startswith(CONTINUE_MARK, at) else text[:at].rstrip()
 
 
 # The names a chat template gets from the call itself, which its own switches (`chat_template_kwargs`) may not set
-TEMPLATE_OWN = {"messages", "add_generation_prompt", "tools", "documents", "chat_template", "tokenize", "return_dict"}
+TEMPLATE_OWN = {"messages", "add_generation_prompt", "tools", "documents", "chat_template", "tokenize", "return_dict",
+                "continue_final_message"}
 
 
 def check_switches(switches: object) -> dict:

@@ -118,11 +118,12 @@ class OpenAIServer:
         return await self.run(request, "chat", body, [self.chat_ids(body)], turn_end)
 
     def chat_ids(self, body: dict) -> list[int]:
-        switches, opens = protocol.template_kwargs(body, self.state.template_kwargs), protocol.generation_prompt(body)
+        switches = protocol.template_kwargs(body, self.state.template_kwargs)
+        opens, goes_on = protocol.generation_prompt(body)
         try:
             messages = text_content(body.get("messages"), self.state.tokenizer.chat_template())
             return self.state.tokenizer.apply_chat_template(messages, add_generation_prompt=opens, return_dict=False,
-                                                            **switches)
+                                                            continue_final_message=goes_on, **switches)
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
 

@@ -20,15 +20,15 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
           "n", "user", "logprobs", "skip_special_tokens", "min_tokens", "include_stop_str_in_output", "logit_bias"}
 FIELDS = {"completions": COMMON | {"prompt", "echo"},
           "chat": COMMON | {"messages", "top_logprobs", "max_completion_tokens", "chat_template_kwargs",
-                            "add_generation_prompt"},
+                            "add_generation_prompt", "continue_final_message"},
           "tokenize": {"model", "prompt", "messages", "add_special_tokens", "chat_template_kwargs",
-                       "add_generation_prompt"},
+                       "add_generation_prompt", "continue_final_message"},
           "detokenize": {"model", "tokens"}}
 # OpenAI's fields this server does not support, and vLLM's that would change an answer: refused by name
 REFUSED = ("suffix", "best_of", "tools", "tool_choice", "functions", "function_call",
            "response_format", "parallel_tool_calls", "audio", "modalities", "prediction", "prompt_logprobs",
            "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "bad_words",
-           "allowed_token_ids", "continue_final_message", "truncate_prompt_tokens", "logits_processors")
+           "allowed_token_ids", "truncate_prompt_tokens", "logits_processors")
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "ignore_eos", "skip_special_tokens", "min_tokens", "include_stop_str_in_output",
             "logit_bias")
@@ -139,12 +139,19 @@ def template_kwargs(body: dict, defaults: dict) -> dict:
         raise ApiError(400, f"chat_template_kwargs {e}", "chat_template_kwargs") from None
 
 
-def generation_prompt(body: dict) -> bool:
-    """vLLM's `add_generation_prompt` (default true): the template opens the assistant's turn."""
-    value = body.get("add_generation_prompt", True)
-    if not isinstance(value, bool):
-        raise ApiError(400, f"add_generation_prompt must be true or false, got {value!r}", "add_generation_prompt")
-    return value
+def generation_prompt(body: dict) -> tuple[bool, bool]:
+    """vLLM's `add_generation_prompt` (default true: the template opens the assistant's turn) and
+    `continue_final_message` (default false: the reply goes on with the last message instead); with the second
+    set, the first defaults to false, and both true is refused with vLLM's words."""
+    goes_on = body.get("continue_final_message", False)
+    opens = body.get("add_generation_prompt", not goes_on)
+    for name, value in (("add_generation_prompt", opens), ("continue_final_message", goes_on)):
+        if not isinstance(value, bool):
+            raise ApiError(400, f"{name} must be true or false, got {value!r}", name)
+    if opens and goes_on:
+        raise ApiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                       "continue_final_message")
+    return opens, goes_on
 
 
 def logprob_count(body: dict, kind: str) -> int | None:
