@@ -94,6 +94,19 @@ def test_continue_final_message_goes_on_with_the_last_message_as_vllm_does(chat_
     assert both.status_code == 400 and "Cannot set both `continue_final_message`" in both.json()["error"]["message"]
 
 
+def test_openais_defaults_of_unsupported_fields_are_taken_and_the_rest_refused(chat_server):
+    server, path = chat_server
+    client, messages = server.client(api_key="secret"), [{"role": "user", "content": "Who is Emma?"}]
+    plain = client.chat.completions.create(model=path.name, messages=messages, max_tokens=4, temperature=0)
+    same = client.chat.completions.create(model=path.name, messages=messages, max_tokens=4, temperature=0,
+                                          tool_choice="none", response_format={"type": "text"})
+    assert same.choices[0].message.content == plain.choices[0].message.content
+    for field, value in (("tool_choice", "auto"), ("response_format", {"type": "json_object"})):
+        response = server.post("/v1/chat/completions", {"messages": messages, field: value},
+                               headers={"Authorization": "Bearer secret"})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field
+
+
 def test_content_parts_read_as_vllm_reads_them(chat_server):
     """OpenAI's list of content parts: text parts joined by a newline for this template, which prints a string
     (`moe.chat.template.text_content`); an image part is refused by name."""

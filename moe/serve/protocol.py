@@ -29,6 +29,8 @@ REFUSED = ("suffix", "best_of", "tools", "tool_choice", "functions", "function_c
            "response_format", "parallel_tool_calls", "audio", "modalities", "prediction", "prompt_logprobs",
            "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "bad_words",
            "allowed_token_ids", "truncate_prompt_tokens", "logits_processors")
+# Values of refused fields that ask for what the server does anyway: OpenAI's defaults, which some clients send
+AS_DEFAULT = {"tool_choice": "none", "response_format": {"type": "text"}}
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "ignore_eos", "skip_special_tokens", "min_tokens", "include_stop_str_in_output",
             "logit_bias")
@@ -58,7 +60,7 @@ def check_fields(body: object, kind: str, served: str) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for name in REFUSED + (("echo",) if kind == "chat" else ()):
-        if body.get(name) not in (None, False, [], {}):
+        if body.get(name) not in (None, False, [], {}, AS_DEFAULT.get(name)):
             raise ApiError(400, f"'{name}' is not supported by this server", name)
     unknown = sorted(set(body) - FIELDS[kind] - set(REFUSED))
     if unknown:
