@@ -69,6 +69,28 @@ def test_logit_bias_greedy_equals_transformers_sequence_bias(pair):
         assert list(got) == want and want != plain and plain[1] not in want
 
 
+def test_allowed_token_ids_equal_transformers_prefix_allowed_tokens(pair):
+    """vLLM's `allowed_token_ids` against transformers' `prefix_allowed_tokens_fn` giving the same tokens each step,
+    with a repetition penalty after the mask; one row allowed a few tokens, the row beside it left as it was alone."""
+    hf, model = pair
+    plain = [list(c) for c in model.generate(PROMPTS[:2], max_new_tokens=10, temperature=0, ignore_eos=True)]
+    allowed = sorted({plain[0][1], (plain[0][0] + 5) % 64, 11, 40})
+    rows = [SamplingParams(max_tokens=10, repetition_penalty=1.2, ignore_eos=True, allowed_token_ids=allowed),
+            SamplingParams(max_tokens=10, ignore_eos=True)]
+    got, beside = model.generate(PROMPTS[:2], rows)
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=10, do_sample=False, pad_token_id=0,
+                           eos_token_id=None, repetition_penalty=1.2,
+                           prefix_allowed_tokens_fn=lambda batch, ids: allowed)[0, len(PROMPTS[0]):].tolist()
+    assert list(got) == want and want != plain[0] and list(beside) == plain[1]
+    drawn = model.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=1.5, seed=3, allowed_token_ids=allowed,
+                                                   ignore_eos=True))
+    assert all(set(c.token_ids) <= set(allowed) for c in drawn)
+    for bad, why in (([], "at least one token"), ([-1], "integers >= 0"), ([10**6], "outside the vocabulary")):
+        with pytest.raises(ValueError, match=why):
+            model.generate(PROMPTS[0], SamplingParams(allowed_token_ids=bad))
+
+
 @pytest.mark.parametrize("chunk", [512, 2])
 def test_prompt_logprobs_equal_transformers_log_softmax(pair, chunk, monkeypatch):
     """Scored in chunks on a cache of the prompt's own (of 2 positions here: every boundary crossed)."""
@@ -258,12 +280,13 @@ def test_bad_values_are_refused_and_the_model_stays_usable(trained, bad):
 @pytest.mark.parametrize("attention", ["layer", "replicated"])
 def test_stop_strings_and_logprobs_on_two_rank_processes(trained, attention):
     """The ranks read the tokenizer to find stop strings; the head's rank (rank 1 under layer placement) sends
-    the log-probabilities with the tokens, samples each row under its own parameters (logit_bias, min_tokens) and
-    scores a prompt (prompt_logprobs)."""
+    the log-probabilities with the tokens, samples each row under its own parameters (logit_bias, min_tokens,
+    allowed_token_ids) and scores a prompt (prompt_logprobs)."""
     kw = dict(max_new_tokens=16, temperature=0.7, seed=[1, 2], stop=["ou", "ss"], logprobs=2)
     one = trained.generate([PROMPT, "And"], **kw)
     rows = [SamplingParams(max_tokens=8, temperature=0, logit_bias={one[0].token_ids[0]: -100}, prompt_logprobs=2),
-            SamplingParams(max_tokens=8, temperature=0.9, seed=3, min_tokens=8)]  # a row's own params, on the ranks
+            SamplingParams(max_tokens=8, temperature=0.9, seed=3, min_tokens=8,  # a row's own params, on the ranks
+                           allowed_token_ids=sorted(set(one[1].token_ids[:6])))]
     with MoEModel.from_pretrained(TRAINED, gpus=2, attention=attention) as sharded:
         two = sharded.generate([PROMPT, "And"], **kw)
         got, want = sharded.generate([PROMPT, "And"], rows), trained.generate([PROMPT, "And"], rows)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from moe import MoEModel
+from moe import MoEModel, SamplingParams
 from moe.parallel.distributed import free_port
 from tests.checkpoints import ROOT, TRAINED, tiny_config, write_checkpoint
 from tests.servers import Server
@@ -60,6 +60,11 @@ def test_logit_bias_through_the_openai_client_equals_generate(server, local):
     got = server.client().completions.create(model="austen", prompt=PROMPTS[1], max_tokens=8, temperature=0,
                                              logit_bias={str(i): v for i, v in bias.items()})
     assert got.choices[0].text == str(want) != str(plain)
+    allowed = sorted(set(plain.token_ids[2:6]))  # vLLM's allowed_token_ids, through the client's extra_body
+    kept = local.generate(PROMPTS[1], SamplingParams(max_tokens=8, allowed_token_ids=allowed))[0]
+    got = server.client().completions.create(model="austen", prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                                             extra_body={"allowed_token_ids": allowed})
+    assert got.choices[0].text == str(kept) and set(kept.token_ids) <= set(allowed)
 
 
 def test_echo_with_logprobs_as_lm_eval_asks_scores_the_prompt_as_transformers_does(server, local):
@@ -158,6 +163,8 @@ BAD = [
     ({"prompt": "x", "echo": "yes"}, 400, "echo"),
     ({"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
+    ({"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ({"prompt": "x", "allowed_token_ids": [999999]}, 400, "allowed_token_ids"),
     ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ({"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json"),  # vLLM's, not served here
     ({"prompt": [1, 2, 10**9]}, 400, "prompt"),

@@ -24,6 +24,7 @@ class SamplingParams:
     new tokens (vLLM's; transformers' `min_new_tokens`). `include_stop_str_in_output` ends the text after the stop
     string rather than before it (vLLM's). `logit_bias` ({token id: bias in [-100, 100]}, OpenAI's) is added to the
     raw logits before the penalties (vLLM's and transformers' order); the log-probabilities stay the raw ones.
+    `allowed_token_ids` (vLLM's): only these tokens can be drawn, every other one masked before the penalties.
     `prompt_logprobs=N`: each prompt token's log-probability given the ones before it, and the N most likely
     (vLLM's; one more forward pass over the prompt).
     `seed` drives this prompt's own random stream: its samples do not depend on the rest of the batch; None (the
@@ -47,6 +48,7 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
     prompt_logprobs: int | None = None
     max_tokens: InitVar[int | None] = None
 
@@ -82,6 +84,11 @@ class SamplingParams:
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _biases(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            allowed = _token_ids(self.allowed_token_ids, "allowed_token_ids")
+            if not allowed:
+                raise ValueError("allowed_token_ids must name at least one token (None: every token)")
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _integer(name, getattr(self, name))
@@ -125,10 +132,10 @@ def _stop_strings(stop: object) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _token_ids(ids: object) -> tuple[int, ...]:
+def _token_ids(ids: object, name: str = "stop_token_ids") -> tuple[int, ...]:
     if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
                                                      for i in ids):
-        raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), got {ids!r}")
+        raise ValueError(f"{name} must be a list of token ids (integers >= 0), got {ids!r}")
     return tuple(ids)
 
 
@@ -152,9 +159,10 @@ def _biases(bias: object) -> tuple[tuple[int, float], ...]:
 
 def check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
     """Token ids of the parameters must be the model's: a bias on an id outside it would index past the logits."""
-    bad = [i for i, _ in params.logit_bias if i >= vocab_size]
-    if bad:
-        raise ValueError(f"logit_bias has token id {bad[0]} outside the vocabulary (size {vocab_size})")
+    for name, ids in (("logit_bias", [i for i, _ in params.logit_bias]),
+                      ("allowed_token_ids", params.allowed_token_ids or ())):
+        if bad := [i for i in ids if i >= vocab_size]:
+            raise ValueError(f"{name} has token id {bad[0]} outside the vocabulary (size {vocab_size})")
 
 
 def per_prompt_seeds(seed: int | list[int] | None, prompts: int) -> list[int] | None:

@@ -146,13 +146,17 @@ def held_back(params: list[SamplingParams], outputs: list[list[int]], eos: tuple
 
 
 def logit_biases(params: list[SamplingParams], vocab_size: int, device: torch.device) -> torch.Tensor | None:
-    """[B, V]: each row's `logit_bias` (None where no row has one)."""
-    if not any(p.logit_bias for p in params):
+    """[B, V]: what each row adds to the raw logits: its `logit_bias`, and -inf on every token outside its
+    `allowed_token_ids` (None where no row has either)."""
+    if not any(p.logit_bias or p.allowed_token_ids for p in params):
         return None
     bias_BV = torch.zeros(len(params), vocab_size)
     for b, p in enumerate(params):
+        if p.allowed_token_ids:
+            bias_BV[b] = float("-inf")
+            bias_BV[b, list(p.allowed_token_ids)] = 0.0
         for i, v in p.logit_bias:
-            bias_BV[b, i] = v
+            bias_BV[b, i] += v
     return bias_BV.to(device)
 
 

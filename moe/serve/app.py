@@ -159,7 +159,7 @@ class OpenAIServer:
         try:
             check_vocabulary(parsed[0].params, self.state.vocab_size)
         except ValueError as e:
-            raise ApiError(400, str(e), "logit_bias") from None
+            raise ApiError(400, str(e), str(e).split()[0]) from None  # the field's name
         scheduler = self.state.scheduler
         n = protocol.choices_per_prompt(body, len(prompts), scheduler.max_num_seqs + scheduler.max_queue)
         # choice i*n + j: prompt i's j-th sequence, seeded apart (seed + j), as OpenAI orders choices
