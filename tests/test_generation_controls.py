@@ -91,6 +91,25 @@ def test_allowed_token_ids_equal_transformers_prefix_allowed_tokens(pair):
             model.generate(PROMPTS[0], SamplingParams(allowed_token_ids=bad))
 
 
+def test_truncate_prompt_tokens_reads_the_prompts_last_tokens(pair):
+    """vLLM's `truncate_prompt_tokens=K`: the answer of the prompt's last K tokens (transformers' greedy answer to
+    them), K counted as the prompt's length; -1 keeps up to the context; a K the context cannot hold is refused."""
+    hf, model = pair
+    got = model.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True, truncate_prompt_tokens=3))
+    for prompt, out in zip(PROMPTS, got, strict=True):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt[-3:]]), max_new_tokens=6, do_sample=False, pad_token_id=0,
+                               eos_token_id=None)[0, 3:].tolist()
+        assert list(out) == want and out.prompt_tokens == 3
+    whole = model.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True))
+    kept = model.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True, truncate_prompt_tokens=-1))
+    assert [list(c) for c in kept] == [list(c) for c in whole] != [list(c) for c in got]
+    for bad, why in ((0, "be at least 1"), (-2, "be at least 1"), (model.config.max_seq_len + 1, "be at most"),
+                     (2.5, "be an integer")):
+        with pytest.raises(ValueError, match=f"truncate_prompt_tokens must {why}"):
+            model.generate(PROMPTS[0], SamplingParams(truncate_prompt_tokens=bad))
+
+
 @pytest.mark.parametrize("chunk", [512, 2])
 def test_prompt_logprobs_equal_transformers_log_softmax(pair, chunk, monkeypatch):
     """Scored in chunks on a cache of the prompt's own (of 2 positions here: every boundary crossed)."""

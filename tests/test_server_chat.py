@@ -107,6 +107,31 @@ def test_openais_defaults_of_unsupported_fields_are_taken_and_the_rest_refused(c
         assert response.status_code == 400 and response.json()["error"]["param"] == field
 
 
+def test_truncate_prompt_tokens_reads_the_prompts_last_tokens_as_vllm_does(chat_server):
+    """The answer, the usage and an echo are those of the prompt's last K tokens given as the prompt."""
+    server, path = chat_server
+    headers, fixed = {"Authorization": "Bearer secret"}, {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    tokenizer = MoEModel.from_pretrained(path).tokenizer
+    text = "Emma Woodhouse, handsome, clever, and rich, with a comfortable home"
+    tail = tokenizer.encode(text)[-4:]
+    cut = server.post("/v1/completions", {"prompt": text, "truncate_prompt_tokens": 4, "echo": True} | fixed,
+                      headers=headers).json()
+    whole = server.post("/v1/completions", {"prompt": tail} | fixed, headers=headers).json()
+    echoed = tokenizer.decode(tail)
+    assert cut["choices"][0]["text"] == echoed + whole["choices"][0]["text"] and cut["usage"]["prompt_tokens"] == 4
+    messages = [{"role": "user", "content": text}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False, **NO_THINKING)
+    end = tokenizer.encode_special("<|im_end|>")[0]
+    chat = server.post("/v1/chat/completions", {"messages": messages, "truncate_prompt_tokens": 5} | fixed,
+                       headers=headers).json()
+    same = server.post("/v1/completions", {"prompt": ids[-5:], "stop_token_ids": [end]} | fixed, headers=headers)
+    assert chat["choices"][0]["message"]["content"] == same.json()["choices"][0]["text"]
+    assert chat["usage"]["prompt_tokens"] == 5 < len(ids)
+    for bad in (0, -2, 10**6, "4"):
+        response = server.post("/v1/completions", {"prompt": text, "truncate_prompt_tokens": bad}, headers=headers)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_content_parts_read_as_vllm_reads_them(chat_server):
     """OpenAI's list of content parts: text parts joined by a newline for this template, which prints a string
     (`moe.chat.template.text_content`); an image part is refused by name."""

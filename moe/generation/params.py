@@ -25,6 +25,7 @@ class SamplingParams:
     string rather than before it (vLLM's). `logit_bias` ({token id: bias in [-100, 100]}, OpenAI's) is added to the
     raw logits before the penalties (vLLM's and transformers' order); the log-probabilities stay the raw ones.
     `allowed_token_ids` (vLLM's): only these tokens can be drawn, every other one masked before the penalties.
+    `truncate_prompt_tokens=K` (vLLM's): only the prompt's last K tokens are read (-1: the model's context length).
     `prompt_logprobs=N`: each prompt token's log-probability given the ones before it, and the N most likely
     (vLLM's; one more forward pass over the prompt).
     `seed` drives this prompt's own random stream: its samples do not depend on the rest of the batch; None (the
@@ -49,6 +50,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
+    truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
     max_tokens: InitVar[int | None] = None
 
@@ -89,6 +91,7 @@ class SamplingParams:
             if not allowed:
                 raise ValueError("allowed_token_ids must name at least one token (None: every token)")
             object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
+        kept_length(self.truncate_prompt_tokens, math.inf)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _integer(name, getattr(self, name))
@@ -163,6 +166,27 @@ def check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
                       ("allowed_token_ids", params.allowed_token_ids or ())):
         if bad := [i for i in ids if i >= vocab_size]:
             raise ValueError(f"{name} has token id {bad[0]} outside the vocabulary (size {vocab_size})")
+
+
+def kept_length(keep: object, context: float) -> int | None:
+    """vLLM's `truncate_prompt_tokens`: how many of a prompt's last tokens are read (None: all; -1: the context)."""
+    if keep is None:
+        return None
+    _integer("truncate_prompt_tokens", keep)
+    if keep == 0 or keep < -1:
+        raise ValueError(f"truncate_prompt_tokens must be at least 1 (or -1: the model's context), got {keep}")
+    if keep > context:
+        raise ValueError(f"truncate_prompt_tokens must be at most the model's context length ({context}), got {keep}")
+    return context if keep == -1 else keep
+
+
+def fitted_prompts(ids: list[list[int]], rows: list[SamplingParams], vocab_size: int,
+                   context: int) -> list[list[int]]:
+    """The prompts as their rows read them (the last `truncate_prompt_tokens`), the rows' token ids checked."""
+    for params in rows:
+        check_vocabulary(params, vocab_size)
+    kept = [kept_length(params.truncate_prompt_tokens, context) for params in rows]
+    return [p[-k:] if k else p for p, k in zip(ids, kept, strict=True)]
 
 
 def per_prompt_seeds(seed: int | list[int] | None, prompts: int) -> list[int] | None:

@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from moe.chat.template import NoChatTemplate, end_of_turn_id, text_content
 from moe.generation.loop import prompt_batch
-from moe.generation.params import SEED_LIMIT, check_vocabulary
+from moe.generation.params import SEED_LIMIT, check_vocabulary, kept_length
 from moe.serve import protocol
 from moe.serve.protocol import ApiError, log
 from moe.serve.scheduler import QueueFull, Request, Scheduler
@@ -102,7 +102,7 @@ class OpenAIServer:
 
     async def completions(self, request: HttpRequest) -> Response:
         body = protocol.check_fields(await self.read_json(request), "completions", self.state.served)
-        prompts, texts = self.prompts_of(body.get("prompt"))
+        prompts, texts = self.kept(body, *self.prompts_of(body.get("prompt")))
         echo = None
         if body.get("echo") is True:  # the prompt's text before the answer: as given, or token ids' text
             echo = texts or [self.state.tokenizer.decode(ids) for ids in prompts]
@@ -115,7 +115,7 @@ class OpenAIServer:
         except NoChatTemplate as e:
             raise ApiError(400, str(e), "messages") from None
         turn_end = end_of_turn_id(self.state.tokenizer, template)
-        return await self.run(request, "chat", body, [self.chat_ids(body)], turn_end)
+        return await self.run(request, "chat", body, self.kept(body, [self.chat_ids(body)], None)[0], turn_end)
 
     def chat_ids(self, body: dict) -> list[int]:
         switches = protocol.template_kwargs(body, self.state.template_kwargs)
@@ -126,6 +126,17 @@ class OpenAIServer:
                                                             continue_final_message=goes_on, **switches)
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
+
+    def kept(self, body: dict, prompts: list[list[int]], texts: list[str] | None
+             ) -> tuple[list[list[int]], list[str] | None]:
+        """vLLM's `truncate_prompt_tokens`: each prompt's last tokens only (an echo is then their text)."""
+        try:
+            keep = kept_length(body.get("truncate_prompt_tokens"), self.state.max_model_len)
+        except ValueError as e:
+            raise ApiError(400, str(e), "truncate_prompt_tokens") from None
+        if keep is None or all(len(p) <= keep for p in prompts):
+            return prompts, texts
+        return [p[-keep:] for p in prompts], None
 
     def prompts_of(self, prompt: object) -> tuple[list[list[int]], list[str] | None]:
         """The prompts' ids, and their texts where they came as text."""

@@ -18,7 +18,7 @@ log = logging.getLogger("moe.serve")
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "stream", "stream_options", "ignore_eos",
           "n", "user", "logprobs", "skip_special_tokens", "min_tokens", "include_stop_str_in_output", "logit_bias",
-          "allowed_token_ids"}
+          "allowed_token_ids", "truncate_prompt_tokens"}
 FIELDS = {"completions": COMMON | {"prompt", "echo"},
           "chat": COMMON | {"messages", "top_logprobs", "max_completion_tokens", "chat_template_kwargs",
                             "add_generation_prompt", "continue_final_message"},
@@ -29,7 +29,7 @@ FIELDS = {"completions": COMMON | {"prompt", "echo"},
 REFUSED = ("suffix", "best_of", "tools", "tool_choice", "functions", "function_call",
            "response_format", "parallel_tool_calls", "audio", "modalities", "prediction", "prompt_logprobs",
            "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "bad_words",
-           "truncate_prompt_tokens", "logits_processors")
+           "logits_processors")
 # Values of refused fields that ask for what the server does anyway: OpenAI's defaults, which some clients send
 AS_DEFAULT = {"tool_choice": "none", "response_format": {"type": "text"}}
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
