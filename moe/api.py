@@ -30,7 +30,7 @@ from moe.engine.start import join_torchrun, load_here, start_ranks
 from moe.errors import USER_ERRORS, RankFailure, first_line
 from moe.generation import SamplingParams, check_prompts
 from moe.generation.loop import batch_of_prompts, stops
-from moe.generation.params import DEFAULT_MAX_NEW_TOKENS, SEED_LIMIT, fitted_prompts, per_prompt_seeds
+from moe.generation.params import DEFAULT_MAX_NEW_TOKENS, SEED_LIMIT, per_prompt_seeds, prepared
 from moe.generation.results import Completion, TokenCompletion, to_results
 from moe.generation.text import TextStreams
 from moe.host import ThreadWatch
@@ -258,7 +258,7 @@ class MoEModel:
     def _generate(self, ids: list[list[int]], rows: list[SamplingParams],
                   streamer: Callable[[int, str | int], None] | None, is_text: bool,
                   extra_eos: tuple[int, ...] = ()) -> list:
-        ids = fitted_prompts(ids, rows, self.config.vocab_size, self.config.max_seq_len)
+        ids, rows = prepared(ids, rows, self.config.vocab_size, self.config.max_seq_len, self._tokenizer)
         check_prompts(ids, self.config.vocab_size, self.config.max_seq_len)
         tokenizer = self.tokenizer if stops(rows) or (is_text and streamer) else self._tokenizer  # refused early
         check_kv_cache(self.config, self.info, self.engine, len(ids),

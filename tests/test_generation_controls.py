@@ -110,6 +110,31 @@ def test_truncate_prompt_tokens_reads_the_prompts_last_tokens(pair):
             model.generate(PROMPTS[0], SamplingParams(truncate_prompt_tokens=bad))
 
 
+def test_bad_words_ids_equal_transformers_no_bad_words(pair):
+    """Words of one, two and three tokens from each prompt's greedy answer, banned: the answers change and equal
+    transformers' `bad_words_ids` (whose matches may reach into the prompt, which these words' leading tokens are not
+    at its end, so the two read the same); two prompts with different words in one batch, as each alone."""
+    hf, model = pair
+    plain = [list(c) for c in model.generate(PROMPTS, max_new_tokens=12, temperature=0, ignore_eos=True)]
+    words = [[(p[2], p[3]), (p[5], p[6], p[7]), (p[9],)] for p in plain]
+    assert all(prompt[-1] not in (w[0] for w in ws) for prompt, ws in zip(PROMPTS, words, strict=True))
+    rows = [SamplingParams(max_tokens=12, ignore_eos=True, bad_words_ids=ws) for ws in words]
+    got = model.generate(PROMPTS, rows)
+    for prompt, ws, out, before in zip(PROMPTS, words, got, plain, strict=True):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0,
+                               eos_token_id=None, bad_words_ids=[list(w) for w in ws])[0, len(prompt):].tolist()
+        assert list(out) == want != before
+        assert list(model.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True, bad_words_ids=ws))[0]) \
+            == want
+    three = model.generate(PROMPTS, [SamplingParams(max_tokens=12, ignore_eos=True, bad_words_ids=[ws[1]])
+                                     for ws in words])  # the three-token word alone: held back at its third token
+    assert all(list(t)[:7] == p[:7] and t.token_ids[7] != p[7] for t, p in zip(three, plain, strict=True))
+    for bad, why in (([[]], "bad_words_ids must be"), ([[-1]], "bad_words_ids must be"), ([""], "bad_words must")):
+        with pytest.raises(ValueError, match=why):
+            SamplingParams(**{"bad_words" if why.startswith("bad_words must") else "bad_words_ids": bad})
+
+
 @pytest.mark.parametrize("chunk", [512, 2])
 def test_prompt_logprobs_equal_transformers_log_softmax(pair, chunk, monkeypatch):
     """Scored in chunks on a cache of the prompt's own (of 2 positions here: every boundary crossed)."""
@@ -300,10 +325,11 @@ def test_bad_values_are_refused_and_the_model_stays_usable(trained, bad):
 def test_stop_strings_and_logprobs_on_two_rank_processes(trained, attention):
     """The ranks read the tokenizer to find stop strings; the head's rank (rank 1 under layer placement) sends
     the log-probabilities with the tokens, samples each row under its own parameters (logit_bias, min_tokens,
-    allowed_token_ids) and scores a prompt (prompt_logprobs)."""
+    allowed_token_ids, bad words) and scores a prompt (prompt_logprobs)."""
     kw = dict(max_new_tokens=16, temperature=0.7, seed=[1, 2], stop=["ou", "ss"], logprobs=2)
     one = trained.generate([PROMPT, "And"], **kw)
-    rows = [SamplingParams(max_tokens=8, temperature=0, logit_bias={one[0].token_ids[0]: -100}, prompt_logprobs=2),
+    rows = [SamplingParams(max_tokens=8, temperature=0, logit_bias={one[0].token_ids[0]: -100}, prompt_logprobs=2,
+                           bad_words_ids=[one[0].token_ids[1:3]]),
             SamplingParams(max_tokens=8, temperature=0.9, seed=3, min_tokens=8,  # a row's own params, on the ranks
                            allowed_token_ids=sorted(set(one[1].token_ids[:6])))]
     with MoEModel.from_pretrained(TRAINED, gpus=2, attention=attention) as sharded:

@@ -9,7 +9,8 @@ import json
 import httpx
 import pytest
 
-from moe import MoEModel
+from moe import MoEModel, SamplingParams
+from moe.generation.params import with_bad_word_ids
 from tests.servers import Server
 from tests.test_chat_template import CHATML, checkpoint
 
@@ -130,6 +131,26 @@ def test_truncate_prompt_tokens_reads_the_prompts_last_tokens_as_vllm_does(chat_
     for bad in (0, -2, 10**6, "4"):
         response = server.post("/v1/completions", {"prompt": text, "truncate_prompt_tokens": bad}, headers=headers)
         assert response.status_code == 400 and response.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_bad_words_hold_back_a_word_of_the_answer_as_generate_does(chat_server):
+    server, path = chat_server
+    fixed = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with MoEModel.from_pretrained(path) as model:
+        plain = model.generate(["Emma Woodhouse"], max_new_tokens=8, temperature=0, ignore_eos=True)[0]
+        def read_as(word: str) -> tuple:
+            return with_bad_word_ids(SamplingParams(bad_words=[word]), model.tokenizer).bad_words_ids
+
+        pairs = [tuple(plain.token_ids[i:i + 2]) for i in range(len(plain.token_ids) - 1)]
+        texts = [model.tokenizer.decode(list(pair)) for pair in pairs]  # the first pair whose text reads as it
+        word = next(t for pair, t in zip(pairs, texts, strict=True) if t.strip() and pair in read_as(t))
+        want = model.generate(["Emma Woodhouse"], SamplingParams(bad_words=[word], **fixed))[0]
+    got = server.post("/v1/completions", {"prompt": "Emma Woodhouse", "bad_words": [word]} | fixed,
+                      headers={"Authorization": "Bearer secret"}).json()
+    assert got["choices"][0]["text"] == str(want) != str(plain)
+    blank = server.post("/v1/completions", {"prompt": "Emma", "bad_words": [" "]},
+                        headers={"Authorization": "Bearer secret"})
+    assert blank.status_code == 400 and blank.json()["error"]["param"] == "bad_words"
 
 
 def test_content_parts_read_as_vllm_reads_them(chat_server):

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from moe import MoEModel
+from moe import MoEModel, SamplingParams
+from moe.generation.params import with_bad_word_ids
 from moe.tokenizer import HFTokenizer, IncrementalDecoder
 from tests.checkpoints import ROOT, tiny_config, write_checkpoint
 
@@ -61,6 +62,22 @@ def test_transformers_fast_tokenizer_gives_the_same_ids(ckpt):
     ours = MoEModel.from_pretrained(path).tokenizer
     for text in ("And God said", TEXT[:300]):
         assert ours.encode(text) == theirs(text)["input_ids"]
+
+
+def test_bad_words_are_tokenized_as_vllm_reads_them_into_transformers_ids(ckpt):
+    """vLLM's reading of `bad_words`: each word as it reads alone, and after a space where that spells it with other
+    tokens of the same count; the ids transformers' tokenizer gives them, without the BOS the checkpoint may add."""
+    transformers = pytest.importorskip("transformers")
+    path, _, _ = ckpt
+    theirs = transformers.AutoTokenizer.from_pretrained(path)
+    words = ["truth", " a single man", "東京", "fortune,"]
+    want = []
+    for word in words:
+        alone, spaced = (theirs.encode(t, add_special_tokens=False) for t in (word.lstrip(), " " + word.lstrip()))
+        want += [tuple(alone)] + [tuple(spaced)] * (spaced[0] != alone[0] and len(spaced) == len(alone))
+    got = with_bad_word_ids(SamplingParams(bad_words=words), MoEModel.from_pretrained(path).tokenizer)
+    assert got.bad_words_ids == tuple(dict.fromkeys(want)) and got.bad_words == ()
+    assert len(got.bad_words_ids) > len(words)  # some words are held back in both spellings
 
 
 def test_a_tokenizer_json_checkpoint_generates_and_streams_whole_characters(ckpt):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import InitVar, dataclass, field
+from dataclasses import InitVar, dataclass, field, replace
 
 MAX_LOGPROBS = 20  # as vLLM's default limit and OpenAI's top_logprobs
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -26,6 +26,9 @@ class SamplingParams:
     raw logits before the penalties (vLLM's and transformers' order); the log-probabilities stay the raw ones.
     `allowed_token_ids` (vLLM's): only these tokens can be drawn, every other one masked before the penalties.
     `truncate_prompt_tokens=K` (vLLM's): only the prompt's last K tokens are read (-1: the model's context length).
+    `bad_words` (vLLM's): words the answer may not write; a word's last token is held back wherever the answer's
+    last tokens spell the rest of it (each word tokenized as it reads alone and after a space, as vLLM does);
+    `bad_words_ids` (transformers'): the same as token-id sequences.
     `prompt_logprobs=N`: each prompt token's log-probability given the ones before it, and the N most likely
     (vLLM's; one more forward pass over the prompt).
     `seed` drives this prompt's own random stream: its samples do not depend on the rest of the batch; None (the
@@ -51,6 +54,8 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
     truncate_prompt_tokens: int | None = None
+    bad_words: tuple[str, ...] = ()
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
     prompt_logprobs: int | None = None
     max_tokens: InitVar[int | None] = None
 
@@ -92,6 +97,13 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must name at least one token (None: every token)")
             object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
         kept_length(self.truncate_prompt_tokens, math.inf)
+        words = (self.bad_words,) if isinstance(self.bad_words, str) else self.bad_words
+        if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+            raise ValueError(f"bad_words must be a list of words (strings that are not blank), got {self.bad_words!r}")
+        object.__setattr__(self, "bad_words", tuple(words))
+        if not isinstance(self.bad_words_ids, (list, tuple)) or not all(self.bad_words_ids):
+            raise ValueError(f"bad_words_ids must be a list of token-id sequences, got {self.bad_words_ids!r}")
+        object.__setattr__(self, "bad_words_ids", tuple(_token_ids(w, "bad_words_ids") for w in self.bad_words_ids))
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _integer(name, getattr(self, name))
@@ -163,7 +175,8 @@ def _biases(bias: object) -> tuple[tuple[int, float], ...]:
 def check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
     """Token ids of the parameters must be the model's: a bias on an id outside it would index past the logits."""
     for name, ids in (("logit_bias", [i for i, _ in params.logit_bias]),
-                      ("allowed_token_ids", params.allowed_token_ids or ())):
+                      ("allowed_token_ids", params.allowed_token_ids or ()),
+                      ("bad_words_ids", [i for word in params.bad_words_ids for i in word])):
         if bad := [i for i in ids if i >= vocab_size]:
             raise ValueError(f"{name} has token id {bad[0]} outside the vocabulary (size {vocab_size})")
 
@@ -180,13 +193,30 @@ def kept_length(keep: object, context: float) -> int | None:
     return context if keep == -1 else keep
 
 
-def fitted_prompts(ids: list[list[int]], rows: list[SamplingParams], vocab_size: int,
-                   context: int) -> list[list[int]]:
-    """The prompts as their rows read them (the last `truncate_prompt_tokens`), the rows' token ids checked."""
+def prepared(ids: list[list[int]], rows: list[SamplingParams], vocab_size: int, context: int,
+             tokenizer) -> tuple[list[list[int]], list[SamplingParams]]:
+    """The prompts and their rows as an engine takes them: each prompt's last `truncate_prompt_tokens`, each row's
+    `bad_words` as token ids (by `tokenizer`), every row's token ids checked against the vocabulary."""
+    if any(p.bad_words for p in rows) and tokenizer is None:
+        raise ValueError("bad_words are tokenized by the checkpoint's tokenizer, which it lacks; give bad_words_ids")
+    rows = [with_bad_word_ids(p, tokenizer) for p in rows]
     for params in rows:
         check_vocabulary(params, vocab_size)
     kept = [kept_length(params.truncate_prompt_tokens, context) for params in rows]
-    return [p[-k:] if k else p for p, k in zip(ids, kept, strict=True)]
+    return [p[-k:] if k else p for p, k in zip(ids, kept, strict=True)], rows
+
+
+def with_bad_word_ids(params: SamplingParams, tokenizer) -> SamplingParams:
+    """`bad_words` tokenized into `bad_words_ids`, as vLLM does: each word as it reads alone, and after a space
+    where that spells it with other tokens of the same count."""
+    if not params.bad_words:
+        return params
+    found = list(params.bad_words_ids)
+    for word in params.bad_words:
+        alone = tuple(tokenizer.encode(word.lstrip(), bos=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), bos=False))
+        found += [alone] + [spaced] * (spaced[0] != alone[0] and len(spaced) == len(alone))
+    return replace(params, bad_words=(), bad_words_ids=tuple(dict.fromkeys(found)))
 
 
 def per_prompt_seeds(seed: int | list[int] | None, prompts: int) -> list[int] | None:

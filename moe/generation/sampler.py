@@ -52,11 +52,13 @@ class Sampler:
             self.presence, self.frequency = column("presence_penalty"), column("frequency_penalty")
         self.ban_BV, self.min_left_B = held_back(params, outputs, eos, vocab_size, device)
         self.bias_BV = logit_biases(params, vocab_size, device)
+        self.bad_words = BadWords(params, outputs, vocab_size, device) if any(
+            len(w) > 1 for p in params for w in p.bad_words_ids) else None
         self.top = top_logprobs(params)
         # every row greedy with nothing to adjust or report: the argmax alone, two ops where the general path takes
         # five (a step's weights have just pushed torch's code out of the caches: each costs 5-15 us on a CPU)
         self.argmax_only = not self.sampled and self.repetition is None and self.counts_BV is None and \
-            self.top is None and self.ban_BV is None and self.bias_BV is None
+            self.top is None and self.ban_BV is None and self.bias_BV is None and self.bad_words is None
 
     def __call__(self, logits_BV: torch.Tensor) -> torch.Tensor:
         """[B, packed_width(top_logprobs)] int64: the next token of each row, and its log-probabilities when asked."""
@@ -75,6 +77,8 @@ class Sampler:
     def penalise(self, logits_BV: torch.Tensor) -> torch.Tensor:
         if self.bias_BV is not None:
             logits_BV = logits_BV + self.bias_BV
+        if self.bad_words is not None:
+            logits_BV = self.bad_words.ban(logits_BV)
         if self.ban_BV is not None:  # rows short of their min_tokens: no end yet
             logits_BV = logits_BV.masked_fill(self.ban_BV & (self.min_left_B > 0)[:, None], float("-inf"))
         if self.seen_BV is not None:
@@ -112,7 +116,9 @@ class Sampler:
         return sorted_BV, order_BV
 
     def update(self, tokens_B: torch.Tensor) -> None:
-        """The step's shared tokens join each row's history (for the penalties and `min_tokens`)."""
+        """The step's shared tokens join each row's history (for the penalties, `min_tokens` and bad words)."""
+        if self.bad_words is not None:
+            self.bad_words.update(tokens_B)
         if self.min_left_B is not None:
             self.min_left_B.sub_(1).clamp_(min=0)
         if self.seen_BV is not None:
@@ -147,8 +153,8 @@ def held_back(params: list[SamplingParams], outputs: list[list[int]], eos: tuple
 
 def logit_biases(params: list[SamplingParams], vocab_size: int, device: torch.device) -> torch.Tensor | None:
     """[B, V]: what each row adds to the raw logits: its `logit_bias`, and -inf on every token outside its
-    `allowed_token_ids` (None where no row has either)."""
-    if not any(p.logit_bias or p.allowed_token_ids for p in params):
+    `allowed_token_ids` and on its one-token bad words (None where no row has any)."""
+    if not any(p.logit_bias or p.allowed_token_ids or p.bad_words_ids for p in params):
         return None
     bias_BV = torch.zeros(len(params), vocab_size)
     for b, p in enumerate(params):
@@ -157,7 +163,36 @@ def logit_biases(params: list[SamplingParams], vocab_size: int, device: torch.de
             bias_BV[b, list(p.allowed_token_ids)] = 0.0
         for i, v in p.logit_bias:
             bias_BV[b, i] += v
+        bias_BV[b, [w[0] for w in p.bad_words_ids if len(w) == 1]] = float("-inf")
     return bias_BV.to(device)
+
+
+class BadWords:
+    """Bad words of more than one token: a word's last token is held back in a row whose last output tokens spell
+    the rest of it (the output's, not the prompt's, as vLLM reads them). Each row's last tokens stay on the logits'
+    device, shifted every step, and the match is a few tensor ops: no host sync."""
+
+    def __init__(self, params: list[SamplingParams], outputs: list[list[int]], vocab_size: int,
+                 device: torch.device) -> None:
+        words = [(b, w) for b, p in enumerate(params) for w in p.bad_words_ids if len(w) > 1]
+        self.M, self.V = max(len(w) for _, w in words) - 1, vocab_size
+        self.recent_BM = torch.tensor([([-1] * self.M + out)[len(out):] for out in outputs], dtype=torch.long,
+                                      device=device).view(len(params), self.M)
+        self.groups = []  # per word length: the rows, the words' leading tokens and their last token
+        for n in sorted({len(w) for _, w in words}):
+            those = [(b, w) for b, w in words if len(w) == n]
+            self.groups.append(tuple(torch.tensor(x, dtype=torch.long, device=device) for x in (
+                [b for b, _ in those], [w[:-1] for _, w in those], [w[-1] for _, w in those])))
+
+    def ban(self, logits_BV: torch.Tensor) -> torch.Tensor:
+        hits_BV = torch.zeros_like(logits_BV)
+        for rows_W, lead_WL, last_W in self.groups:
+            spelled_W = (self.recent_BM[rows_W, self.M - lead_WL.shape[1]:] == lead_WL).all(dim=-1)
+            hits_BV.index_put_((rows_W, last_W), spelled_W.to(hits_BV.dtype), accumulate=True)
+        return logits_BV.masked_fill(hits_BV > 0, float("-inf"))
+
+    def update(self, tokens_B: torch.Tensor) -> None:
+        self.recent_BM = torch.cat([self.recent_BM[:, 1:], tokens_B.view(-1, 1)], dim=1)
 
 
 def top_logprobs(params: list[SamplingParams]) -> int | None:

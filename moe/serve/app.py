@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from moe.chat.template import NoChatTemplate, end_of_turn_id, text_content
 from moe.generation.loop import prompt_batch
-from moe.generation.params import SEED_LIMIT, check_vocabulary, kept_length
+from moe.generation.params import SEED_LIMIT, check_vocabulary, kept_length, with_bad_word_ids
 from moe.serve import protocol
 from moe.serve.protocol import ApiError, log
 from moe.serve.scheduler import QueueFull, Request, Scheduler
@@ -168,6 +168,8 @@ class OpenAIServer:
         parsed = [protocol.sampling(body, kind, len(p), self.state.max_model_len, turn_end, self.state.defaults)
                   for p in prompts]
         try:
+            for p in parsed:  # vLLM's bad_words, as token ids
+                p.params = with_bad_word_ids(p.params, self.state.tokenizer)
             check_vocabulary(parsed[0].params, self.state.vocab_size)
         except ValueError as e:
             raise ApiError(400, str(e), str(e).split()[0]) from None  # the field's name

@@ -18,7 +18,7 @@ log = logging.getLogger("moe.serve")
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "stream", "stream_options", "ignore_eos",
           "n", "user", "logprobs", "skip_special_tokens", "min_tokens", "include_stop_str_in_output", "logit_bias",
-          "allowed_token_ids", "truncate_prompt_tokens"}
+          "allowed_token_ids", "truncate_prompt_tokens", "bad_words"}
 FIELDS = {"completions": COMMON | {"prompt", "echo"},
           "chat": COMMON | {"messages", "top_logprobs", "max_completion_tokens", "chat_template_kwargs",
                             "add_generation_prompt", "continue_final_message"},
@@ -28,13 +28,13 @@ FIELDS = {"completions": COMMON | {"prompt", "echo"},
 # OpenAI's fields this server does not support, and vLLM's that would change an answer: refused by name
 REFUSED = ("suffix", "best_of", "tools", "tool_choice", "functions", "function_call",
            "response_format", "parallel_tool_calls", "audio", "modalities", "prediction", "prompt_logprobs",
-           "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "bad_words",
+           "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
            "logits_processors")
 # Values of refused fields that ask for what the server does anyway: OpenAI's defaults, which some clients send
 AS_DEFAULT = {"tool_choice": "none", "response_format": {"type": "text"}}
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "ignore_eos", "skip_special_tokens", "min_tokens", "include_stop_str_in_output",
-            "logit_bias", "allowed_token_ids")
+            "logit_bias", "allowed_token_ids", "bad_words")
 
 
 class ApiError(Exception):
