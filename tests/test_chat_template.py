@@ -305,3 +305,18 @@ def test_chat_goes_on_with_the_final_message_and_refuses_a_new_turn_beside_it(tm
         with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt cannot both be set"):
             model.chat(ASKED, continue_final_message=True, add_generation_prompt=True)
         assert model.chat(ASKED, max_new_tokens=6, ignore_eos=True, temperature=0, continue_final_message=True) == reply
+
+
+THINKING = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
+            "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+            "{% if m.thinking %}[{{ m.thinking }}]{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}")
+
+
+@pytest.mark.parametrize("name", ["reasoning", "reasoning_content", "thinking"])
+def test_a_replys_thinking_reaches_the_template_under_every_name_as_in_transformers(tmp_path, name):
+    """vLLM's answers give `reasoning`, DeepSeek's and llama-server's `reasoning_content`; templates read one of
+    `reasoning_content` (Qwen3) and `thinking` (gpt-oss). Sent back in the next turn, each reaches the template."""
+    ours, theirs = both(checkpoint(tmp_path, template_config=THINKING))
+    messages = [ASKED[1], {"role": "assistant", "content": "A young woman.", name: "Who is asked?"}, ASKED[1]]
+    text = ours.tokenizer.apply_chat_template(messages, tokenize=False)
+    assert text == theirs.apply_chat_template(messages, tokenize=False) and "<think>Who is asked?</think>" in text

@@ -102,7 +102,7 @@ def render(source: str, messages: list[dict], special: dict[str, str], add_gener
     import jinja2
 
     check_messages(messages)
-    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    messages = [_reasoning_aliased({k: v for k, v in m.items() if v is not None}) for m in messages]
     if continue_final_message:
         if add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be set: the first goes on "
@@ -114,6 +114,16 @@ def render(source: str, messages: list[dict], special: dict[str, str], add_gener
     except jinja2.exceptions.TemplateError as e:
         raise ValueError(f"the chat template refused the conversation: {e}") from None
     return _cut_at_mark(text) if continue_final_message else text
+
+
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # the names a reply's thinking comes under
+
+
+def _reasoning_aliased(message: dict) -> dict:
+    """A message's thinking under the names templates read (Qwen3's `reasoning_content`, gpt-oss's `thinking`),
+    whichever the client sent (vLLM's answers give `reasoning`), as transformers 5 fills them."""
+    found = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+    return message if found is None else {"thinking": found, **message, "reasoning_content": found}
 
 
 # Appended to the last message's text to find where it ends in the rendered conversation; the space tells whether
