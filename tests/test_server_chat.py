@@ -242,3 +242,26 @@ def test_a_reply_that_ends_its_turn_has_no_stop_reason_unless_the_request_named_
         named = server.post("/v1/chat/completions", body | {"stop_token_ids": [end]}).json()["choices"][0]
     assert got["message"]["content"] == str(want) and (got["finish_reason"], got["stop_reason"]) == ("stop", None)
     assert named["message"]["content"] == str(want) and named["stop_reason"] == end
+
+
+def test_a_reasoning_parser_puts_the_open_think_part_under_reasoning_whole_and_streamed(tmp_path):
+    """`--reasoning-parser qwen3`: a reply continuing an open `<think>` is reasoning (vLLM's `reasoning`, DeepSeek's
+    `reasoning_content`) with no content, whole and streamed alike; a reply outside one is content as before."""
+    path = checkpoint(tmp_path, template_config=CHATML)
+    thinking = [{"role": "user", "content": "Who is Emma?"}, {"role": "assistant", "content": "<think>Emma is"}]
+    plain = [{"role": "user", "content": "Who is Emma?"}]
+    kw = dict(max_new_tokens=8, temperature=0, ignore_eos=True)
+    with MoEModel.from_pretrained(path) as model:
+        thought = str(model.chat(thinking, continue_final_message=True, **kw))
+        answer = str(model.chat(plain, **kw))
+    with Server(path, "--reasoning-parser", "qwen3") as server:
+        client, fixed = server.client(), dict(model=path.name, max_tokens=8, temperature=0)
+        extra = {"continue_final_message": True, "ignore_eos": True}
+        whole = client.chat.completions.create(messages=thinking, extra_body=extra, **fixed).choices[0].message
+        assert whole.content is None and whole.reasoning == whole.reasoning_content == thought
+        chunks = list(client.chat.completions.create(messages=thinking, extra_body=extra, stream=True, **fixed))
+        assert "".join(getattr(c.choices[0].delta, "reasoning", None) or "" for c in chunks) == thought
+        assert not any(c.choices[0].delta.content for c in chunks)
+        other = client.chat.completions.create(messages=plain, extra_body={"ignore_eos": True}, **fixed)
+        assert other.choices[0].message.content == answer and getattr(other.choices[0].message, "reasoning", None) \
+            is None

@@ -11,6 +11,7 @@ import sys
 
 from moe.cli.common import add_model_args, add_template_kwargs_arg, refuse_gpus_under_torchrun, run_command
 from moe.parallel.distributed import under_torchrun
+from moe.serve.reasoning import PARSERS
 
 EXAMPLES = """examples:
   python scripts/serve.py --ckpt weights/tiny-moe-austen-bbe --port 8000
@@ -49,6 +50,9 @@ def parser() -> argparse.ArgumentParser:
                          "generation_config.json where it sets them; vllm: OpenAI's defaults (temperature 1, the rest "
                          "off), as vLLM's flag of that name")
     add_template_kwargs_arg(ap, "every chat request that does not set them (its chat_template_kwargs win)")
+    ap.add_argument("--reasoning-parser", choices=PARSERS, default=None,
+                    help="a thinking model's <think> part of a chat answer as the message's `reasoning` (and "
+                         "`reasoning_content`), the rest as its `content`, as vLLM's flag of that name")
     ap.add_argument("--no-compile", dest="compile", action="store_false",
                     help="eager decode steps. By default one CPU rank runs compiled ones: a step for every batch size "
                          "up to --max-num-seqs, built at start-up before /health turns 200 where the step cache does "
@@ -79,7 +83,7 @@ def serve_command(args: argparse.Namespace) -> int:
                            args.max_model_len, args.max_queue, args.max_num_batched_tokens, args.served_model_name,
                            args.api_key, args.max_body_bytes, args.drain_timeout, args.threads, args.attention,
                            args.experts, args.placement, args.timeout, not args.quiet, args.compile,
-                           args.generation_config == "auto", args.chat_template_kwargs)
+                           args.generation_config == "auto", args.chat_template_kwargs, args.reasoning_parser)
     if args.gpus > 1 and not under_torchrun():
         return serve_ranks(options, args.gpus)
     return serve(options)

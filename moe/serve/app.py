@@ -21,6 +21,7 @@ from moe.generation.loop import prompt_batch
 from moe.generation.params import SEED_LIMIT, check_vocabulary, kept_length, with_bad_word_ids
 from moe.serve import protocol
 from moe.serve.protocol import ApiError, log
+from moe.serve.reasoning import ReasoningSplit, split_whole
 from moe.serve.scheduler import QueueFull, Request, Scheduler
 from moe.tokenizer import Tokenizer
 
@@ -36,6 +37,7 @@ class ServerState:
     vocab_size: int = 0
     defaults: dict = field(default_factory=dict)  # sampling values a request leaves out: generation_config.json's
     template_kwargs: dict = field(default_factory=dict)  # the chat template's switches a request leaves out
+    reasoning_parser: str | None = None  # chat answers' <think> part apart (`moe.serve.reasoning`)
     dead: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -217,7 +219,7 @@ class OpenAIServer:
         finally:
             for req in submitted:
                 self.state.scheduler.cancel(req)  # a no-op for finished ones; frees the rest if the client went away
-        choices = [protocol.choice(kind, i, "".join(pieces[i]), out,
+        choices = [protocol.choice(kind, i, *self.parts(kind, submitted[i], "".join(pieces[i])), out,
                                    self.logprobs(kind, entries[i] if out.logprobs is not None else None), delta=False)
                    for i, out in enumerate(outs)]
         use = protocol.usage(prompt_tokens, sum(len(out.tokens) for out in outs))
@@ -226,6 +228,7 @@ class OpenAIServer:
     async def stream(self, kind, rid, submitted, events: asyncio.Queue, include_usage, prompt_tokens: int,
                      echoes: list[str] | None):
         open_rows, completion = len(submitted), 0
+        splits = [self.splitter(kind, req) for req in submitted]
         try:
             for i in range(len(submitted)) if kind == "chat" else ():  # each choice's role first, as vLLM sends it
                 first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -234,22 +237,25 @@ class OpenAIServer:
             for i, text in enumerate(echoes or ()):  # an echoed prompt first (with log-probabilities: once they come)
                 if submitted[i].params.prompt_logprobs is None:
                     yield sse(protocol.envelope(kind, rid, self.state.served,
-                                                [protocol.choice(kind, i, text, None, None, delta=True)], True))
+                                                [protocol.choice(kind, i, text, None, None, None, delta=True)],
+                                                True))
             while open_rows:
                 i, event = await events.get()
                 if event[0] == "prompt":
                     scores = self.logprobs(kind, protocol.prompt_entries(submitted[i].prompt, event[1]))
-                    part = protocol.choice(kind, i, echoes[i], None, scores, delta=True)
+                    part = protocol.choice(kind, i, echoes[i], None, None, scores, delta=True)
                     yield sse(protocol.envelope(kind, rid, self.state.served, [part], True))
                 elif event[0] == "token":
                     completion += event[1] is not None
                     entries = [(event[1], *event[3])] if event[3] is not None else None
-                    if event[2] or entries:
-                        part = protocol.choice(kind, i, event[2], None, self.logprobs(kind, entries), delta=True)
+                    text, thought = (event[2], None) if splits[i] is None else splits[i].feed(event[2])[::-1]
+                    if text or thought or entries:
+                        part = protocol.choice(kind, i, text, thought, None, self.logprobs(kind, entries), delta=True)
                         yield sse(protocol.envelope(kind, rid, self.state.served, [part], True))
                 elif event[0] == "end":
                     open_rows -= 1
-                    part = protocol.choice(kind, i, "", event[1], None, delta=True)
+                    text, thought = ("", None) if splits[i] is None else splits[i].finish()[::-1]
+                    part = protocol.choice(kind, i, text, thought, event[1], None, delta=True)
                     yield sse(protocol.envelope(kind, rid, self.state.served, [part], True))
                 else:
                     status = event[2] if len(event) > 2 else 503
@@ -262,6 +268,18 @@ class OpenAIServer:
         finally:  # finished, or the client went away: its sequences leave at the next step
             for req in submitted:
                 self.state.scheduler.cancel(req)
+
+    def splitter(self, kind: str, request: Request) -> ReasoningSplit | None:
+        """A chat answer's reasoning apart from its content, where the server was asked to (`--reasoning-parser`)."""
+        if kind != "chat" or self.state.reasoning_parser is None:
+            return None
+        return ReasoningSplit(self.state.reasoning_parser, self.state.tokenizer.decode(request.prompt))
+
+    def parts(self, kind: str, request: Request, text: str) -> tuple[str | None, str | None]:
+        """A whole answer's (content, reasoning)."""
+        if kind != "chat" or self.state.reasoning_parser is None:
+            return text, None
+        return split_whole(self.state.reasoning_parser, self.state.tokenizer.decode(request.prompt), text)[::-1]
 
     def logprobs(self, kind: str, entries):
         return protocol.logprobs_object(kind, entries, self.state.tokenizer.token_text)

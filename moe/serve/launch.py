@@ -47,6 +47,7 @@ class ServeOptions:
     compile: bool = True  # compiled decode steps at start-up (one CPU rank, or a pipeline on N ranks); False: eager
     generation_config: bool = True  # a request's sampling defaults: the checkpoint's generation_config.json's
     template_kwargs: dict = field(default_factory=dict)  # the chat template's switches a request leaves out
+    reasoning_parser: str | None = None  # chat answers' <think> part apart (`moe.serve.reasoning`)
 
 
 def serve(options: ServeOptions) -> int:
@@ -60,7 +61,7 @@ def serve(options: ServeOptions) -> int:
     rank = int(os.environ.get("RANK", "0"))
     state = ServerState(options.served_model_name or checkpoint_name(options.ckpt),
                         options.max_model_len or 0, options.max_body_bytes, options.api_key,
-                        template_kwargs=dict(options.template_kwargs))
+                        template_kwargs=dict(options.template_kwargs), reasoning_parser=options.reasoning_parser)
     http = _start_http(state, options) if rank == 0 else None
     try:
         model = MoEModel.from_pretrained(options.ckpt, dtype=options.dtype, device=options.device,

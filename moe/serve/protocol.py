@@ -193,13 +193,18 @@ def prompt_entries(prompt: list[int], scores: list) -> list[tuple]:
     return [(prompt[0], None, None)] + [(t, lp, top) for t, (lp, top) in zip(prompt[1:], scores, strict=True)]
 
 
-def choice(kind: str, index: int, text: str, out: RowOutput | None, logprobs: dict | None, delta: bool) -> dict:
+def choice(kind: str, index: int, text: str | None, reasoning: str | None, out: RowOutput | None,
+           logprobs: dict | None, delta: bool) -> dict:
+    """A choice, or a streamed chunk's (`delta`); `reasoning`: a chat answer's thinking, under vLLM's name and
+    DeepSeek's (llama-server's)."""
     finish = out.finish_reason if out is not None else None
     stop_reason = out.stop_reason if out is not None else None
     if kind == "completions":
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
                 "stop_reason": stop_reason}
     body = {"role": "assistant", "content": text} if not delta else ({"content": text} if text else {})
+    if reasoning:
+        body |= {"reasoning": reasoning, "reasoning_content": reasoning}
     return {"index": index, ("delta" if delta else "message"): body, "logprobs": logprobs, "finish_reason": finish,
             "stop_reason": stop_reason}
 
