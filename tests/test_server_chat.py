@@ -153,6 +153,31 @@ def test_bad_words_hold_back_a_word_of_the_answer_as_generate_does(chat_server):
     assert blank.status_code == 400 and blank.json()["error"]["param"] == "bad_words"
 
 
+def test_echo_with_max_tokens_0_gives_the_prompt_and_its_logprobs_alone_as_vllm_does(chat_server):
+    """A scoring request (HELM's form): the prompt's text and log-probabilities, those of the same request with one
+    token more, without the token; no token made, whole or streamed."""
+    server, path = chat_server
+    client, text = server.client(api_key="secret"), "Emma Woodhouse, handsome, clever, and rich"
+    ask = dict(model=path.name, prompt=[text, "It is a truth"], echo=True, logprobs=2, temperature=0)
+    scored, one_more = (client.completions.create(max_tokens=n, **ask) for n in (0, 1))
+    for a, b in zip(scored.choices, one_more.choices, strict=True):
+        prompt_tokens = len(a.logprobs.tokens)
+        assert b.text.startswith(a.text) and a.finish_reason == "length" and prompt_tokens == len(b.logprobs.tokens) - 1
+        assert a.logprobs.token_logprobs == b.logprobs.token_logprobs[:prompt_tokens]
+        assert a.logprobs.top_logprobs == b.logprobs.top_logprobs[:prompt_tokens]
+    assert scored.choices[0].text == text and scored.usage.completion_tokens == 0
+    chunks = list(client.completions.create(max_tokens=0, stream=True, **ask))
+    for i, c in enumerate(scored.choices):
+        mine = [x for chunk in chunks for x in chunk.choices if x.index == i]
+        assert "".join(x.text for x in mine) == c.text and mine[-1].finish_reason == "length"
+        assert [v for x in mine if x.logprobs for v in x.logprobs.token_logprobs] == c.logprobs.token_logprobs
+    plain = client.completions.create(model=path.name, prompt=text, echo=True, max_tokens=0)
+    assert plain.choices[0].text == text and plain.choices[0].logprobs is None
+    refused = server.post("/v1/completions", {"prompt": text, "max_tokens": 0},
+                          headers={"Authorization": "Bearer secret"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"  # without echo
+
+
 def test_content_parts_read_as_vllm_reads_them(chat_server):
     """OpenAI's list of content parts: text parts joined by a newline for this template, which prints a string
     (`moe.chat.template.text_content`); an image part is refused by name."""

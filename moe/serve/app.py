@@ -185,7 +185,8 @@ class OpenAIServer:
         try:  # every sequence's events reach this request's one queue, with its choice's index
             for i, (prompt, params) in enumerate(rows):
                 sink = functools.partial(post, loop, events, i)
-                submitted.append(scheduler.submit(Request(prompt, params, sink, quiet_stop=quiet)))
+                submitted.append(scheduler.submit(Request(prompt, params, sink, quiet_stop=quiet,
+                                                          score_only=parsed[0].score_only)))
         except QueueFull as e:
             for r in submitted:
                 scheduler.cancel(r)

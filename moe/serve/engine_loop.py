@@ -47,6 +47,10 @@ class EngineLoop:
             if plan.join:
                 rows = [Row(rid, prompt, params) for rid, prompt, params in plan.join]
                 self._score([r for r in rows if r.params.prompt_logprobs is not None])
+                if plan.score_only:  # scored, they are done: no row joins the batch
+                    rows = [r for r in rows if r.request not in plan.score_only]
+                    if self.scheduler is not None:
+                        self.scheduler.finish_scored(plan.score_only)
                 whole = [r for r in rows if len(r.prompt) <= self.chunk]
                 if whole:
                     self._sample(self.batch.join(whole), whole)

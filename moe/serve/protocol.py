@@ -55,6 +55,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     max_tokens_given: bool
+    score_only: bool = False  # echo with max_tokens 0 (vLLM's): the prompt and its log-probabilities, no token
 
 
 def check_fields(body: object, kind: str, served: str) -> dict:
@@ -99,6 +100,7 @@ def sampling(body: dict, kind: str, prompt_len: int, max_model_len: int, turn_en
                             f"{prompt_len}, leaving no room to generate", "messages" if kind == "chat" else "prompt")
     given = body.get(name)
     max_tokens = given if given is not None else (16 if kind == "completions" else room)
+    score_only = kind == "completions" and body.get("echo") is True and type(given) is int and given == 0
     if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > room:
         raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                             f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
@@ -115,7 +117,8 @@ def sampling(body: dict, kind: str, prompt_len: int, max_model_len: int, turn_en
         raise ApiError(400, f"echo must be true or false, got {body['echo']!r}", "echo")
     logprobs = logprob_count(body, kind)
     try:
-        params = SamplingParams(max_tokens, **values, stop=() if stop is None else stop, stop_token_ids=stop_ids,
+        params = SamplingParams(1 if score_only else max_tokens, **values, stop=() if stop is None else stop,
+                                stop_token_ids=stop_ids,
                                 logprobs=logprobs, prompt_logprobs=logprobs if body.get("echo") else None)
     except (ValueError, TypeError) as e:
         message = str(e)
@@ -129,7 +132,7 @@ def sampling(body: dict, kind: str, prompt_len: int, max_model_len: int, turn_en
         raise ApiError(400, f"stream must be true or false, got {stream!r}", "stream")
     if options and not stream:  # as vLLM refuses it
         raise ApiError(400, "stream_options can only be given with stream: true", "stream_options")
-    return Parsed(params, stream, bool(options.get("include_usage")), given is not None)
+    return Parsed(params, stream, bool(options.get("include_usage")), given is not None, score_only)
 
 
 def template_kwargs(body: dict, defaults: dict) -> dict:

@@ -42,6 +42,7 @@ class Request:
     # the chat template's end of turn where the request did not name it a stop id: it ends the answer as an
     # end-of-sequence id does, stop_reason null (as `model.chat` says, and vLLM, which reads it as an EOS)
     quiet_stop: int | None = None
+    score_only: bool = False  # its prompt's log-probabilities and no token (echo with max_tokens 0)
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Plan:
     join: list[tuple[int, list[int], SamplingParams]] = field(default_factory=list)
     stop: bool = False
     loads: bool = False  # gather the live expert load for /metrics this step
+    score_only: set[int] = field(default_factory=set)  # joining requests that end once their prompt is scored
 
     def __bool__(self) -> bool:
         return bool(self.leave or self.join or self.stop or self.loads)
@@ -130,6 +132,8 @@ class Scheduler:
                 budget -= len(request.prompt)
                 self.running[request.id] = request
                 plan.join.append((request.id, request.prompt, request.params))
+                if request.score_only:
+                    plan.score_only.add(request.id)
             plan.stop = self.draining_until is not None and not self.running and not self.waiting
             self.metrics.running, self.metrics.waiting = len(self.running), len(self.waiting)
             return plan
@@ -164,6 +168,16 @@ class Scheduler:
         request = self.running.get(rid)
         if request is not None and not request.cancelled:
             request.sink(("prompt", entries))
+
+    def finish_scored(self, rids: set[int]) -> None:
+        """Requests that only score their prompt end once scored, having made no token (their rows never join)."""
+        with self.lock:
+            for rid in rids:
+                request = self.running.pop(rid, None)
+                if request is not None and not request.cancelled:
+                    request.out.finish_reason = "length"
+                    request.sink(("end", request.out))
+                    self.metrics.finished(request)
 
     def fail_all(self, why: str) -> None:
         """A rank died: every request gets the error; nothing more is accepted."""
