@@ -166,7 +166,8 @@ BAD = [
     ({"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
     ({"prompt": "x", "allowed_token_ids": [999999]}, 400, "allowed_token_ids"),
     ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
-    ({"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json"),  # vLLM's, not served here
+    ({"prompt": "x", "guided_regex": "("}, 400, "guided_regex"),  # vLLM's: a regex that does not compile
+    ({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400, "structured_outputs"),
     ({"prompt": [1, 2, 10**9]}, 400, "prompt"),
     ({"prompt": 5}, 400, "prompt"),
     ({"prompt": "x", "model": "nope"}, 404, "model"),

@@ -102,7 +102,7 @@ def test_openais_defaults_of_unsupported_fields_are_taken_and_the_rest_refused(c
     same = client.chat.completions.create(model=path.name, messages=messages, max_tokens=4, temperature=0,
                                           tool_choice="none", response_format={"type": "text"})
     assert same.choices[0].message.content == plain.choices[0].message.content
-    for field, value in (("tool_choice", "auto"), ("response_format", {"type": "json_object"})):
+    for field, value in (("tool_choice", "auto"), ("response_format", {"type": "xml"})):
         response = server.post("/v1/chat/completions", {"messages": messages, field: value},
                                headers={"Authorization": "Bearer secret"})
         assert response.status_code == 400 and response.json()["error"]["param"] == field
@@ -290,3 +290,28 @@ def test_a_reasoning_parser_puts_the_open_think_part_under_reasoning_whole_and_s
         other = client.chat.completions.create(messages=plain, extra_body={"ignore_eos": True}, **fixed)
         assert other.choices[0].message.content == answer and getattr(other.choices[0].message, "reasoning", None) \
             is None
+
+
+def test_structured_outputs_through_the_openai_client_equal_chat(chat_server):
+    """vLLM's `structured_outputs` and `guided_choice`, and OpenAI's `response_format` with a JSON schema, whole and
+    streamed: the answers of `model.chat` with the same structure."""
+    from tests.test_structured import CHOICE, SCHEMA
+
+    pytest.importorskip("llguidance")
+    server, path = chat_server
+    client, messages = server.client(api_key="secret"), [{"role": "user", "content": "Who is Emma?"}]
+    compact = {"json": SCHEMA, "disable_any_whitespace": True}
+    with MoEModel.from_pretrained(path) as model:
+        def chat(spec: dict, n: int) -> str:
+            return str(model.chat(messages, SamplingParams(max_tokens=n, structured_outputs=spec),
+                                  template_kwargs=NO_THINKING))
+
+        want, loose, choice = chat(compact, 48), chat({"json": SCHEMA}, 24), chat({"choice": CHOICE}, 24)
+    ask = dict(model=path.name, messages=messages, temperature=0)
+    got = client.chat.completions.create(max_tokens=48, extra_body={"structured_outputs": compact}, **ask)
+    assert got.choices[0].message.content == want and json.loads(want)["name"] in ("Emma", "Harriet")
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    assert client.chat.completions.create(max_tokens=24, response_format=schema, **ask).choices[0].message.content \
+        == loose
+    chunks = client.chat.completions.create(max_tokens=24, extra_body={"guided_choice": CHOICE}, stream=True, **ask)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice and choice in CHOICE

@@ -16,6 +16,7 @@ import torch
 
 from moe.generation.params import SamplingParams
 from moe.generation.sampler import Sampler, packed_width, top_logprobs, unpack_logprobs
+from moe.generation.structured import Grammars, matchers_for
 from moe.generation.text import StopText
 from moe.tokenizer import Tokenizer
 
@@ -172,8 +173,17 @@ def advance(row: RowOutput, params: SamplingParams, eos: tuple[int, ...], text: 
 
 
 def stops(params: SamplingParams | list[SamplingParams]) -> bool:
-    """Whether a request has stop strings (and so needs the tokenizer where it runs)."""
-    return any(p.stop for p in (params if isinstance(params, list) else [params]))
+    """Whether a request has stop strings or structured outputs (and so needs the tokenizer where it runs)."""
+    return any(p.stop or p.structured_outputs for p in (params if isinstance(params, list) else [params]))
+
+
+def grammars(params: list[SamplingParams], tokenizer: Tokenizer | None, eos: tuple[int, ...],
+             logits: torch.Tensor) -> Grammars | None:
+    """The batch's structured-output matchers, on the head's rank (None where no row asks)."""
+    if not any(p.structured_outputs for p in params):
+        return None
+    ends = [tuple(eos) + tuple(p.stop_token_ids) for p in params]
+    return Grammars(matchers_for(params, tokenizer, logits.shape[-1]), ends, logits.shape[-1], logits.device)
 
 
 def generate_tokens(engine: Stepper, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
@@ -193,7 +203,8 @@ def generate_tokens(engine: Stepper, prompts: list[list[int]], params: SamplingP
     logits = engine.forward_last(tokens, 0)
     for step in range(steps):
         if logits is not None and sampler is None:  # the head's rank: it samples (on the logits' device)
-            sampler = Sampler(params, prompts, logits.shape[-1], logits.device, eos=eos)
+            sampler = Sampler(params, prompts, logits.shape[-1], logits.device, eos=eos,
+                              grammars=grammars(params, tokenizer, eos, logits))
         packed = (sampler(logits) if logits is not None
                   else torch.zeros(B, rows.width, dtype=torch.long, device=engine.device))
         host, stop, nxt = decide(engine, packed, should_stop)
@@ -202,7 +213,7 @@ def generate_tokens(engine: Stepper, prompts: list[list[int]], params: SamplingP
             break
         t_prefill = t_prefill or time.perf_counter()  # first token known everywhere: prefill done
         if sampler is not None:
-            sampler.update(nxt)
+            sampler.update(nxt, [h[0] for h in host])
         for b in range(B):
             rows.take(b, host[b], on_token)
         if rows.done or step == steps - 1:

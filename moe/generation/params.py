@@ -6,6 +6,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import InitVar, dataclass, field, replace
 
+from moe.generation.structured import StructuredOutputsParams, check_structured
+
 MAX_LOGPROBS = 20  # as vLLM's default limit and OpenAI's top_logprobs
 DEFAULT_MAX_NEW_TOKENS = 64
 SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes any 64-bit value; keep it one JSON-safe signed integer
@@ -28,7 +30,9 @@ class SamplingParams:
     `truncate_prompt_tokens=K` (vLLM's): only the prompt's last K tokens are read (-1: the model's context length).
     `bad_words` (vLLM's): words the answer may not write; a word's last token is held back wherever the answer's
     last tokens spell the rest of it (each word tokenized as it reads alone and after a space, as vLLM does);
-    `bad_words_ids` (transformers'): the same as token-id sequences.
+    `bad_words_ids` (transformers'): the same as token-id sequences. `structured_outputs` (vLLM's): the answer held
+    to a JSON schema, a regex, a choice or a grammar (`moe.generation.structured.StructuredOutputsParams`, or its
+    fields as a dict).
     `prompt_logprobs=N`: each prompt token's log-probability given the ones before it, and the N most likely
     (vLLM's; one more forward pass over the prompt).
     `seed` drives this prompt's own random stream: its samples do not depend on the rest of the batch; None (the
@@ -56,6 +60,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     bad_words: tuple[str, ...] = ()
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    structured_outputs: StructuredOutputsParams | dict | None = None
     prompt_logprobs: int | None = None
     max_tokens: InitVar[int | None] = None
 
@@ -97,6 +102,8 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must name at least one token (None: every token)")
             object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
         kept_length(self.truncate_prompt_tokens, math.inf)
+        if self.structured_outputs is not None:
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams.of(self.structured_outputs))
         words = (self.bad_words,) if isinstance(self.bad_words, str) else self.bad_words
         if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
             raise ValueError(f"bad_words must be a list of words (strings that are not blank), got {self.bad_words!r}")
@@ -197,9 +204,11 @@ def prepared(ids: list[list[int]], rows: list[SamplingParams], vocab_size: int, 
              tokenizer) -> tuple[list[list[int]], list[SamplingParams]]:
     """The prompts and their rows as an engine takes them: each prompt's last `truncate_prompt_tokens`, each row's
     `bad_words` as token ids (by `tokenizer`), every row's token ids checked against the vocabulary."""
-    if any(p.bad_words for p in rows) and tokenizer is None:
-        raise ValueError("bad_words are tokenized by the checkpoint's tokenizer, which it lacks; give bad_words_ids")
+    if any(p.bad_words or p.structured_outputs for p in rows) and tokenizer is None:
+        raise ValueError("bad_words and structured_outputs are read by the checkpoint's tokenizer, which it lacks")
     rows = [with_bad_word_ids(p, tokenizer) for p in rows]
+    for spec in dict.fromkeys(p.structured_outputs for p in rows if p.structured_outputs is not None):
+        check_structured(spec, tokenizer, vocab_size)
     for params in rows:
         check_vocabulary(params, vocab_size)
     kept = [kept_length(params.truncate_prompt_tokens, context) for params in rows]

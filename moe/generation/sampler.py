@@ -13,15 +13,18 @@ from __future__ import annotations
 import torch
 
 from moe.generation.params import SamplingParams
+from moe.generation.structured import Grammars
 
 
 class Sampler:
     def __init__(self, params: list[SamplingParams], prompts: list[list[int]], vocab_size: int,
                  device: torch.device, outputs: list[list[int]] | None = None,
-                 generators: list[torch.Generator | None] | None = None, eos: tuple[int, ...] = ()) -> None:
+                 generators: list[torch.Generator | None] | None = None, eos: tuple[int, ...] = (),
+                 grammars: Grammars | None = None) -> None:
         """`outputs`: tokens each row generated so far (for the penalties and `min_tokens`), `generators`: rows'
         streams that already drew (a server's sequences, resumed in a new batch); fresh ones are seeded from the
-        params. `eos`: the ids that end a sequence, which `min_tokens` holds back."""
+        params. `eos`: the ids that end a sequence, which `min_tokens` holds back. `grammars`: the rows' structured
+        output matchers."""
         self.params, self.device, B = params, device, len(params)
 
         def column(name: str, dtype=torch.float32) -> torch.Tensor:
@@ -52,13 +55,15 @@ class Sampler:
             self.presence, self.frequency = column("presence_penalty"), column("frequency_penalty")
         self.ban_BV, self.min_left_B = held_back(params, outputs, eos, vocab_size, device)
         self.bias_BV = logit_biases(params, vocab_size, device)
+        self.grammars = grammars
         self.bad_words = BadWords(params, outputs, vocab_size, device) if any(
             len(w) > 1 for p in params for w in p.bad_words_ids) else None
         self.top = top_logprobs(params)
         # every row greedy with nothing to adjust or report: the argmax alone, two ops where the general path takes
         # five (a step's weights have just pushed torch's code out of the caches: each costs 5-15 us on a CPU)
         self.argmax_only = not self.sampled and self.repetition is None and self.counts_BV is None and \
-            self.top is None and self.ban_BV is None and self.bias_BV is None and self.bad_words is None
+            self.top is None and self.ban_BV is None and self.bias_BV is None and self.bad_words is None and \
+            grammars is None
 
     def __call__(self, logits_BV: torch.Tensor) -> torch.Tensor:
         """[B, packed_width(top_logprobs)] int64: the next token of each row, and its log-probabilities when asked."""
@@ -79,6 +84,8 @@ class Sampler:
             logits_BV = logits_BV + self.bias_BV
         if self.bad_words is not None:
             logits_BV = self.bad_words.ban(logits_BV)
+        if self.grammars is not None:
+            logits_BV = self.grammars.mask(logits_BV)
         if self.ban_BV is not None:  # rows short of their min_tokens: no end yet
             logits_BV = logits_BV.masked_fill(self.ban_BV & (self.min_left_B > 0)[:, None], float("-inf"))
         if self.seen_BV is not None:
@@ -115,8 +122,11 @@ class Sampler:
         sorted_BV = sorted_BV.masked_fill(probs_BV < self.min_p * probs_BV[:, :1], float("-inf"))
         return sorted_BV, order_BV
 
-    def update(self, tokens_B: torch.Tensor) -> None:
-        """The step's shared tokens join each row's history (for the penalties, `min_tokens` and bad words)."""
+    def update(self, tokens_B: torch.Tensor, host: list[int] | None = None) -> None:
+        """The step's shared tokens join each row's history (for the penalties, `min_tokens`, bad words and, given
+        the host's copy, the grammars; a server's batch moves its rows' grammars itself)."""
+        if self.grammars is not None and host is not None:
+            self.grammars.consume(host)
         if self.bad_words is not None:
             self.bad_words.update(tokens_B)
         if self.min_left_B is not None:

@@ -19,6 +19,7 @@ from starlette.routing import Route
 from moe.chat.template import NoChatTemplate, end_of_turn_id, text_content
 from moe.generation.loop import prompt_batch
 from moe.generation.params import SEED_LIMIT, check_vocabulary, kept_length, with_bad_word_ids
+from moe.generation.structured import check_structured
 from moe.serve import protocol
 from moe.serve.protocol import ApiError, log
 from moe.serve.reasoning import ReasoningSplit, split_whole
@@ -175,6 +176,11 @@ class OpenAIServer:
             check_vocabulary(parsed[0].params, self.state.vocab_size)
         except ValueError as e:
             raise ApiError(400, str(e), str(e).split()[0]) from None  # the field's name
+        if (spec := parsed[0].params.structured_outputs) is not None:
+            try:
+                check_structured(spec, self.state.tokenizer, self.state.vocab_size)
+            except ValueError as e:
+                raise ApiError(400, str(e), next(k for k in protocol.STRUCTURED if body.get(k) is not None)) from None
         scheduler = self.state.scheduler
         n = protocol.choices_per_prompt(body, len(prompts), scheduler.max_num_seqs + scheduler.max_queue)
         # choice i*n + j: prompt i's j-th sequence, seeded apart (seed + j), as OpenAI orders choices

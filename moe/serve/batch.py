@@ -24,6 +24,8 @@ from models.kv_cache import KVCache
 from moe.engine.rows import least_loaded
 from moe.generation import SamplingParams, left_pad
 from moe.generation.sampler import Sampler
+from moe.generation.structured import Grammars, matchers_for, move
+from moe.tokenizer import tokenizer_of
 
 
 @dataclass
@@ -35,6 +37,7 @@ class Row:
     params: SamplingParams
     generated: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None  # the head's rank: this sequence's own random stream
+    matcher: object = None  # the head's rank: its structured-output grammar's matcher, where it asks for one
 
 
 @dataclass
@@ -177,14 +180,29 @@ class RunningBatch:
             if row.generator is None and not row.params.greedy:
                 row.generator = torch.Generator(device=logits.device).manual_seed(row.params.seed)
         sampler = Sampler([r.params for r in rows], [r.prompt for r in rows], logits.shape[-1], logits.device,
-                          outputs=[r.generated for r in rows], generators=[r.generator for r in rows], eos=self.eos)
+                          outputs=[r.generated for r in rows], generators=[r.generator for r in rows], eos=self.eos,
+                          grammars=self.grammars(rows, logits))
         if rows is self.rows:
             self.sampler = sampler
         return sampler(logits)
 
+    def grammars(self, rows: list[Row], logits: torch.Tensor) -> Grammars | None:
+        """The rows' structured-output matchers (made when a row first samples, then kept with it)."""
+        if not any(r.params.structured_outputs for r in rows):
+            return None
+        matchers = matchers_for([r.params for r in rows], tokenizer_of(self.engine.checkpoint_dir), logits.shape[-1],
+                                [r.matcher for r in rows])
+        for row, matcher in zip(rows, matchers, strict=True):
+            row.matcher = matcher
+        return Grammars(matchers, [self.ends(r) for r in rows], logits.shape[-1], logits.device)
+
+    def ends(self, row: Row) -> tuple[int, ...]:
+        return tuple(self.eos) + tuple(row.params.stop_token_ids)
+
     def record(self, tokens: list[int], rows: list[Row], device_tokens: torch.Tensor) -> None:
         for row, token in zip(rows, tokens, strict=True):
             row.generated.append(token)
+            move(row.matcher, token, self.ends(row))  # here for joining rows (sampled apart) and running alike
         if rows is self.rows:
             self.last_B = device_tokens
             if self.sampler is not None:

@@ -12,13 +12,18 @@ from dataclasses import dataclass
 from moe.chat.template import check_switches
 from moe.generation.loop import RowOutput
 from moe.generation.params import SamplingParams
+from moe.generation.structured import StructuredOutputsParams
 
 log = logging.getLogger("moe.serve")
 
+# The ways a request holds its answer to a structure: OpenAI's `response_format`, vLLM's `structured_outputs` and
+# its older `guided_*` fields (each the StructuredOutputsParams field it names)
+STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+              "guided_grammar")
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "stream", "stream_options", "ignore_eos",
           "n", "user", "logprobs", "skip_special_tokens", "min_tokens", "include_stop_str_in_output", "logit_bias",
-          "allowed_token_ids", "truncate_prompt_tokens", "bad_words"}
+          "allowed_token_ids", "truncate_prompt_tokens", "bad_words", *STRUCTURED}
 FIELDS = {"completions": COMMON | {"prompt", "echo"},
           "chat": COMMON | {"messages", "top_logprobs", "max_completion_tokens", "chat_template_kwargs",
                             "add_generation_prompt", "continue_final_message"},
@@ -26,12 +31,11 @@ FIELDS = {"completions": COMMON | {"prompt", "echo"},
                        "add_generation_prompt", "continue_final_message"},
           "detokenize": {"model", "tokens"}}
 # OpenAI's fields this server does not support, and vLLM's that would change an answer: refused by name
-REFUSED = ("suffix", "best_of", "tools", "tool_choice", "functions", "function_call",
-           "response_format", "parallel_tool_calls", "audio", "modalities", "prediction", "prompt_logprobs",
-           "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-           "logits_processors")
+REFUSED = ("suffix", "best_of", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+           "audio", "modalities", "prediction", "prompt_logprobs", "logits_processors")
 # Values of refused fields that ask for what the server does anyway: OpenAI's defaults, which some clients send
-AS_DEFAULT = {"tool_choice": "none", "response_format": {"type": "text"}}
+AS_DEFAULT = {"tool_choice": "none"}
+
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "ignore_eos", "skip_special_tokens", "min_tokens", "include_stop_str_in_output",
             "logit_bias", "allowed_token_ids", "bad_words")
@@ -116,9 +120,10 @@ def sampling(body: dict, kind: str, prompt_len: int, max_model_len: int, turn_en
     if not isinstance(body.get("echo", False), bool):
         raise ApiError(400, f"echo must be true or false, got {body['echo']!r}", "echo")
     logprobs = logprob_count(body, kind)
+    structured = structured_outputs(body)
     try:
         params = SamplingParams(1 if score_only else max_tokens, **values, stop=() if stop is None else stop,
-                                stop_token_ids=stop_ids,
+                                stop_token_ids=stop_ids, structured_outputs=structured,
                                 logprobs=logprobs, prompt_logprobs=logprobs if body.get("echo") else None)
     except (ValueError, TypeError) as e:
         message = str(e)
@@ -133,6 +138,37 @@ def sampling(body: dict, kind: str, prompt_len: int, max_model_len: int, turn_en
     if options and not stream:  # as vLLM refuses it
         raise ApiError(400, "stream_options can only be given with stream: true", "stream_options")
     return Parsed(params, stream, bool(options.get("include_usage")), given is not None, score_only)
+
+
+def structured_outputs(body: dict) -> StructuredOutputsParams | None:
+    """The structure a request holds its answer to, from whichever of `STRUCTURED` it gives (one at most)."""
+    given = [k for k in STRUCTURED if body.get(k) is not None and not (k == "response_format" and isinstance(
+        body[k], dict) and body[k].get("type") == "text")]
+    if len(given) > 1:
+        raise ApiError(400, f"give one of {', '.join(given)}: each holds the answer to a structure", given[1])
+    if not given:
+        return None
+    name, value = given[0], body[given[0]]
+    try:
+        if name == "response_format":
+            return _response_format(value)
+        if name == "structured_outputs":
+            return StructuredOutputsParams.of(value)
+        return StructuredOutputsParams(**{name.removeprefix("guided_"): value})
+    except ValueError as e:
+        raise ApiError(400, str(e), name) from None
+
+
+def _response_format(value: object) -> StructuredOutputsParams:
+    """OpenAI's `response_format`: {"type": "json_object"}, or {"type": "json_schema", "json_schema": {"schema"}}."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    spec = value.get("json_schema") if kind == "json_schema" else None
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise ValueError('response_format must be {"type": "text"}, {"type": "json_object"} or {"type": '
+                         f'"json_schema", "json_schema": {{"name": ..., "schema": {{...}}}}}}, got {value!r}')
+    return StructuredOutputsParams(json=spec["schema"])
 
 
 def template_kwargs(body: dict, defaults: dict) -> dict:
