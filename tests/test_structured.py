@@ -21,6 +21,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"enum": ["Emma", "Harriet"]}
 REGEX = r"[A-Z][a-z]{2,5} (is|was) [0-9]{1,2}"
 CHOICE = ["Emma", "Mr Knightley", "Harriet"]
 LARK = 'start: "Emma " verb " " ("happy" | "clever")\nverb: "is" | "was"'
+GBNF = 'root ::= "Emma " verb " " ("happy" | "clever")\nverb ::= "is" | "was"'  # llama.cpp's form of the same
 PROMPTS = ["Emma Woodhouse,", "It is a truth"]
 
 
@@ -32,14 +33,14 @@ def valid(kind: str, text: str) -> bool:
         return re.fullmatch(REGEX, text) is not None
     if kind == "choice":
         return text in CHOICE
-    if kind == "grammar":
+    if kind in ("grammar", "gbnf"):
         return re.fullmatch("Emma (is|was) (happy|clever)", text) is not None
     return isinstance(json.loads(text), dict)
 
 
 SPECS = {"json": StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
          "regex": StructuredOutputsParams(regex=REGEX), "choice": StructuredOutputsParams(choice=CHOICE),
-         "grammar": StructuredOutputsParams(grammar=LARK),
+         "grammar": StructuredOutputsParams(grammar=LARK), "gbnf": StructuredOutputsParams(grammar=GBNF),
          "json_object": StructuredOutputsParams(json_object=True, disable_any_whitespace=True)}
 
 
@@ -54,7 +55,7 @@ def model(chat_ckpt):
         yield m
 
 
-@pytest.mark.parametrize("kind", ["json", "regex", "choice", "grammar"])
+@pytest.mark.parametrize("kind", ["json", "regex", "choice", "grammar", "gbnf"])
 def test_greedy_answers_are_valid_and_each_step_the_most_likely_allowed_token(chat_ckpt, model, kind):
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoModelForCausalLM.from_pretrained(chat_ckpt, dtype=torch.float32)
@@ -88,11 +89,12 @@ def test_sampled_answers_are_valid_and_a_rows_own_whatever_the_batch(model, kind
         assert valid(kind, str(together[0]))
 
 
-def test_bad_structures_are_refused_in_one_line(model, tmp_path):
+def test_bad_structures_are_refused_in_one_line(model):
     for spec, why in (({"regex": "("}, "structured_outputs: .*invalid regex"),
                       ({"regex": "a", "choice": ["b"]}, "takes one of"),
                       ({"choice": []}, "choice must be a list of strings"),
-                      ({"json": "{not json"}, "not a JSON schema"), ({"nope": 1}, "must be an object with one of")):
+                      ({"json": "{not json"}, "not a JSON schema"), ({"grammar": "root ::= ("}, "grammar"),
+                      ({"nope": 1}, "must be an object with one of")):
         with pytest.raises(ValueError, match=why) as caught:
             model.generate(PROMPTS[0], SamplingParams(structured_outputs=spec))
         assert "\n" not in str(caught.value)

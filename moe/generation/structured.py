@@ -18,9 +18,10 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """One of: `json` (a JSON schema, as a dict or its text), `regex`, `choice` (strings), `grammar` (Lark) or
-    `json_object=True` (any JSON object), as vLLM's class of this name. `disable_any_whitespace`: JSON without
-    optional whitespace (vLLM's; a small model otherwise may write whitespace at length)."""
+    """One of: `json` (a JSON schema, as a dict or its text), `regex`, `choice` (strings), `grammar` (Lark, or
+    llama.cpp's GBNF) or `json_object=True` (any JSON object), as vLLM's class of this name.
+    `disable_any_whitespace`: JSON without optional whitespace (vLLM's; a small model may otherwise write whitespace
+    at length)."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -67,7 +68,10 @@ class StructuredOutputsParams:
             return matcher.grammar_from_regex(self.regex)
         if self.choice is not None:
             return matcher.grammar_from_regex("|".join(re.escape(c) for c in self.choice))
-        return matcher.grammar_from_lark(self.grammar)
+        try:  # Lark, or llama.cpp's GBNF (converted to Lark)
+            return llguidance().grammar_from("grammar", self.grammar)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.grammar: {' '.join(str(e).split())}") from None
 
 
 def llguidance():

@@ -35,7 +35,6 @@ REFUSED = ("suffix", "best_of", "tools", "tool_choice", "functions", "function_c
            "audio", "modalities", "prediction", "prompt_logprobs", "logits_processors")
 # Values of refused fields that ask for what the server does anyway: OpenAI's defaults, which some clients send
 AS_DEFAULT = {"tool_choice": "none"}
-
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "ignore_eos", "skip_special_tokens", "min_tokens", "include_stop_str_in_output",
             "logit_bias", "allowed_token_ids", "bad_words")
