@@ -116,7 +116,7 @@ def move(matcher, token: int, ends: tuple[int, ...]) -> None:
 
 class Grammars:
     """The grammar matchers of a batch's rows (None where a row has none), each step's mask of the tokens they
-    allow, and their moves. A matcher that has its whole answer allows the row's end ids only (its EOS, stop ids)."""
+    allow, and their moves. Where the answer may end, the row's end ids (its EOS, stop ids) are allowed too."""
 
     def __init__(self, matchers: list, ends: list[tuple[int, ...]], vocab_size: int, device: torch.device) -> None:
         self.matchers, self.ends, self.V, self.device = matchers, ends, vocab_size, device
