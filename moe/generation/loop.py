@@ -16,7 +16,7 @@ import torch
 
 from moe.generation.params import SamplingParams
 from moe.generation.sampler import Sampler, packed_width, top_logprobs, unpack_logprobs
-from moe.generation.structured import Grammars, matchers_for
+from moe.generation.structured import grammars_for
 from moe.generation.text import StopText
 from moe.tokenizer import Tokenizer
 
@@ -177,14 +177,6 @@ def stops(params: SamplingParams | list[SamplingParams]) -> bool:
     return any(p.stop or p.structured_outputs for p in (params if isinstance(params, list) else [params]))
 
 
-def grammars(params: list[SamplingParams], tokenizer: Tokenizer | None, eos: tuple[int, ...],
-             logits: torch.Tensor) -> Grammars | None:
-    """The batch's structured-output matchers, on the head's rank (None where no row asks)."""
-    if not any(p.structured_outputs for p in params):
-        return None
-    ends = [tuple(eos) + tuple(p.stop_token_ids) for p in params]
-    return Grammars(matchers_for(params, tokenizer, logits.shape[-1]), ends, logits.shape[-1], logits.device)
-
 
 def generate_tokens(engine: Stepper, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                     eos: tuple[int, ...], context: int, on_token: Callable[[int, int], None] | None = None,
@@ -204,7 +196,7 @@ def generate_tokens(engine: Stepper, prompts: list[list[int]], params: SamplingP
     for step in range(steps):
         if logits is not None and sampler is None:  # the head's rank: it samples (on the logits' device)
             sampler = Sampler(params, prompts, logits.shape[-1], logits.device, eos=eos,
-                              grammars=grammars(params, tokenizer, eos, logits))
+                              grammars=grammars_for(params, tokenizer, logits.shape[-1], eos, logits.device))
         packed = (sampler(logits) if logits is not None
                   else torch.zeros(B, rows.width, dtype=torch.long, device=engine.device))
         host, stop, nxt = decide(engine, packed, should_stop)

@@ -108,6 +108,20 @@ def matchers_for(params: list, tokenizer, vocab_size: int, given: list | None = 
             for p, m in zip(params, given, strict=True)]
 
 
+def end_ids(params, eos: tuple[int, ...]) -> tuple[int, ...]:
+    """The ids that end a row: the EOS ids and its stop ids (allowed where its answer may end)."""
+    return tuple(eos) + tuple(params.stop_token_ids)
+
+
+def grammars_for(params: list, tokenizer, vocab_size: int, eos: tuple[int, ...], device: torch.device,
+                 given: list | None = None) -> Grammars | None:
+    """A batch's grammars on the head's rank (None where no row asks): the rows' matchers, `given` ones kept."""
+    if not any(p.structured_outputs for p in params):
+        return None
+    return Grammars(matchers_for(params, tokenizer, vocab_size, given), [end_ids(p, eos) for p in params],
+                    vocab_size, device)
+
+
 def move(matcher, token: int, ends: tuple[int, ...]) -> None:
     """A row's drawn token moves its matcher on (an end id ends the row instead)."""
     if matcher is not None and token not in ends and not matcher.is_stopped():

@@ -24,7 +24,7 @@ from models.kv_cache import KVCache
 from moe.engine.rows import least_loaded
 from moe.generation import SamplingParams, left_pad
 from moe.generation.sampler import Sampler
-from moe.generation.structured import Grammars, matchers_for, move
+from moe.generation.structured import Grammars, end_ids, grammars_for, move
 from moe.tokenizer import tokenizer_of
 
 
@@ -188,21 +188,18 @@ class RunningBatch:
 
     def grammars(self, rows: list[Row], logits: torch.Tensor) -> Grammars | None:
         """The rows' structured-output matchers (made when a row first samples, then kept with it)."""
-        if not any(r.params.structured_outputs for r in rows):
+        if not any(r.params.structured_outputs for r in rows):  # the tokenizer is read only when one asks
             return None
-        matchers = matchers_for([r.params for r in rows], tokenizer_of(self.engine.checkpoint_dir), logits.shape[-1],
-                                [r.matcher for r in rows])
-        for row, matcher in zip(rows, matchers, strict=True):
+        grammars = grammars_for([r.params for r in rows], tokenizer_of(self.engine.checkpoint_dir), logits.shape[-1],
+                                self.eos, logits.device, [r.matcher for r in rows])
+        for row, matcher in zip(rows, grammars.matchers, strict=True):
             row.matcher = matcher
-        return Grammars(matchers, [self.ends(r) for r in rows], logits.shape[-1], logits.device)
-
-    def ends(self, row: Row) -> tuple[int, ...]:
-        return tuple(self.eos) + tuple(row.params.stop_token_ids)
+        return grammars
 
     def record(self, tokens: list[int], rows: list[Row], device_tokens: torch.Tensor) -> None:
         for row, token in zip(rows, tokens, strict=True):
             row.generated.append(token)
-            move(row.matcher, token, self.ends(row))  # here for joining rows (sampled apart) and running alike
+            move(row.matcher, token, end_ids(row.params, self.eos))  # joining rows (sampled apart) and running
         if rows is self.rows:
             self.last_B = device_tokens
             if self.sampler is not None:
