@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe.serve.reasoning import ReasoningSplit, split_whole
+from moe.serve.reasoning import ReasoningSplit
 
 CASES = [  # parser, the prompt's text, the answer's text -> (reasoning, content)
     ("qwen3", "", "<think>Who asks?</think>\n\nEmma.", ("Who asks?", "\n\nEmma.")),
@@ -24,7 +24,7 @@ CASES = [  # parser, the prompt's text, the answer's text -> (reasoning, content
 
 @pytest.mark.parametrize("parser, prompt, text, want", CASES)
 def test_whole_answers_split_as_vllms_parsers_read_them(parser, prompt, text, want):
-    assert split_whole(parser, prompt, text) == want
+    assert ReasoningSplit(parser, prompt).whole(text) == want
 
 
 @pytest.mark.parametrize("parser, prompt, text, want", CASES)

@@ -22,7 +22,7 @@ from moe.generation.params import SEED_LIMIT, check_vocabulary, kept_length, wit
 from moe.generation.structured import check_structured
 from moe.serve import protocol
 from moe.serve.protocol import ApiError, log
-from moe.serve.reasoning import ReasoningSplit, split_whole
+from moe.serve.reasoning import ReasoningSplit
 from moe.serve.scheduler import QueueFull, Request, Scheduler
 from moe.tokenizer import Tokenizer
 
@@ -284,9 +284,8 @@ class OpenAIServer:
 
     def parts(self, kind: str, request: Request, text: str) -> tuple[str | None, str | None]:
         """A whole answer's (content, reasoning)."""
-        if kind != "chat" or self.state.reasoning_parser is None:
-            return text, None
-        return split_whole(self.state.reasoning_parser, self.state.tokenizer.decode(request.prompt), text)[::-1]
+        split = self.splitter(kind, request)
+        return (text, None) if split is None else split.whole(text)[::-1]
 
     def logprobs(self, kind: str, entries):
         return protocol.logprobs_object(kind, entries, self.state.tokenizer.token_text)

@@ -47,6 +47,12 @@ class ReasoningSplit:
         held, self.held = self.held, ""
         return (held, "") if self.reasoning else ("", held)
 
+    def whole(self, text: str) -> tuple[str | None, str | None]:
+        """A whole answer's (reasoning, content), None for an empty part, as vLLM's parsers return them."""
+        thought, answer = self.feed(text)
+        more_thought, more_answer = self.finish()
+        return (thought + more_thought) or None, (answer + more_answer) or None
+
 
 def _tag_start_at_end(text: str, tag: str) -> int:
     """The length of the longest end of `text` that begins `tag` (text that may become the tag)."""
@@ -54,11 +60,3 @@ def _tag_start_at_end(text: str, tag: str) -> int:
         if tag.startswith(text[-n:]):
             return n
     return 0
-
-
-def split_whole(parser: str, prompt_text: str, text: str) -> tuple[str | None, str | None]:
-    """A whole answer's (reasoning, content), None for an empty part, as vLLM's parsers return them."""
-    split = ReasoningSplit(parser, prompt_text)
-    thought, answer = split.feed(text)
-    more_thought, more_answer = split.finish()
-    return (thought + more_thought) or None, (answer + more_answer) or None
