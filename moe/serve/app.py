@@ -18,8 +18,7 @@ from starlette.routing import Route
 
 from moe.chat.template import NoChatTemplate, end_of_turn_id, text_content
 from moe.generation.loop import prompt_batch
-from moe.generation.params import SEED_LIMIT, check_vocabulary, kept_length, with_bad_word_ids
-from moe.generation.structured import check_structured
+from moe.generation.params import SEED_LIMIT, kept_length, prepared
 from moe.serve import protocol
 from moe.serve.protocol import ApiError, log
 from moe.serve.reasoning import ReasoningSplit
@@ -170,17 +169,15 @@ class OpenAIServer:
             raise ApiError(400, "the prompt is empty: it has no tokens", "messages" if kind == "chat" else "prompt")
         parsed = [protocol.sampling(body, kind, len(p), self.state.max_model_len, turn_end, self.state.defaults)
                   for p in prompts]
-        try:
-            for p in parsed:  # vLLM's bad_words, as token ids
-                p.params = with_bad_word_ids(p.params, self.state.tokenizer)
-            check_vocabulary(parsed[0].params, self.state.vocab_size)
+        try:  # as `generate` readies them: bad words as token ids, ids against the vocabulary, grammars compiled
+            _, ready = prepared(prompts, [p.params for p in parsed], self.state.vocab_size, self.state.max_model_len,
+                                self.state.tokenizer)
         except ValueError as e:
-            raise ApiError(400, str(e), str(e).split()[0]) from None  # the field's name
-        if (spec := parsed[0].params.structured_outputs) is not None:
-            try:
-                check_structured(spec, self.state.tokenizer, self.state.vocab_size)
-            except ValueError as e:
-                raise ApiError(400, str(e), next(k for k in protocol.STRUCTURED if body.get(k) is not None)) from None
+            given = [k for k in protocol.STRUCTURED if body.get(k) is not None]  # the request's name for a structure
+            field = given[0] if given and str(e).startswith("structured") else str(e).split()[0]  # as the message says
+            raise ApiError(400, str(e), field) from None
+        for p, params in zip(parsed, ready, strict=True):
+            p.params = params
         scheduler = self.state.scheduler
         n = protocol.choices_per_prompt(body, len(prompts), scheduler.max_num_seqs + scheduler.max_queue)
         # choice i*n + j: prompt i's j-th sequence, seeded apart (seed + j), as OpenAI orders choices
