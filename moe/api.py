@@ -29,7 +29,7 @@ from moe.engine.layouts import check_options, compilable_plan
 from moe.engine.start import join_torchrun, load_here, start_ranks
 from moe.errors import USER_ERRORS, RankFailure, first_line
 from moe.generation import SamplingParams, check_prompts
-from moe.generation.loop import batch_of_prompts, stops
+from moe.generation.loop import batch_of_prompts, needs_tokenizer
 from moe.generation.params import DEFAULT_MAX_NEW_TOKENS, SEED_LIMIT, per_prompt_seeds, prepared
 from moe.generation.results import Completion, TokenCompletion, to_results
 from moe.generation.text import TextStreams
@@ -260,7 +260,8 @@ class MoEModel:
                   extra_eos: tuple[int, ...] = ()) -> list:
         ids, rows = prepared(ids, rows, self.config.vocab_size, self.config.max_seq_len, self._tokenizer)
         check_prompts(ids, self.config.vocab_size, self.config.max_seq_len)
-        tokenizer = self.tokenizer if stops(rows) or (is_text and streamer) else self._tokenizer  # refused early
+        # the tokenizer where it is needed (a missing one refused early), else the one there may be
+        tokenizer = self.tokenizer if needs_tokenizer(rows) or (is_text and streamer) else self._tokenizer
         check_kv_cache(self.config, self.info, self.engine, len(ids),
                        min(max(len(i) + p.max_new_tokens for i, p in zip(ids, rows, strict=True)),
                            self.config.max_seq_len))

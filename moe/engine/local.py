@@ -16,7 +16,7 @@ from models.transformer import Transformer
 from moe.checkpoint.distributed_save import save_distributed
 from moe.engine.ahead import AheadDecode, ahead_compilable
 from moe.engine.compiled import CompiledDecode
-from moe.generation import GenerationResult, SamplingParams, generate_tokens, stops
+from moe.generation import GenerationResult, SamplingParams, generate_tokens, needs_tokenizer
 from moe.generation.scoring import prompt_scores
 from moe.memory import MemoryUse
 from moe.parallel.distributed import single_process
@@ -105,7 +105,7 @@ class LocalEngine:
                  should_stop: Callable[[], bool] | None = None) -> GenerationResult:
         with torch.inference_mode():  # the whole loop: one entry, not one a step (each 10-20 us on a CPU)
             return generate_tokens(self, ids, params, eos, context, on_token, should_stop,
-                                   tokenizer_of(self.checkpoint_dir) if stops(params) else None)
+                                   tokenizer_of(self.checkpoint_dir) if needs_tokenizer(params) else None)
 
     @torch.inference_mode()
     def logits(self, tokens_BS: torch.Tensor) -> torch.Tensor:

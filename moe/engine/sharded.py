@@ -23,7 +23,7 @@ from models.kv_cache import KVCache
 from models.transformer import Transformer, real_token_rows
 from moe.checkpoint.distributed_save import save_distributed
 from moe.engine.rows import Rows, balanced, homed
-from moe.generation import GenerationResult, SamplingParams, generate_tokens, stops
+from moe.generation import GenerationResult, SamplingParams, generate_tokens, needs_tokenizer
 from moe.generation.scoring import prompt_scores
 from moe.memory import MemoryUse
 from moe.parallel.agreement import check_routing_agrees
@@ -252,7 +252,7 @@ class ShardedEngine:
             for block in self.model.layers.values():
                 block.feed_forward.route_check.zero_()
         result = generate_tokens(self, ids, params, eos, context, on_token, should_stop,
-                                 tokenizer_of(self.checkpoint_dir) if stops(params) else None)
+                                 tokenizer_of(self.checkpoint_dir) if needs_tokenizer(params) else None)
         if alike and not result.cancelled:
             self.check_routing(alike)
         return result

@@ -172,7 +172,7 @@ def advance(row: RowOutput, params: SamplingParams, eos: tuple[int, ...], text: 
     return piece
 
 
-def stops(params: SamplingParams | list[SamplingParams]) -> bool:
+def needs_tokenizer(params: SamplingParams | list[SamplingParams]) -> bool:
     """Whether a request has stop strings or structured outputs (and so needs the tokenizer where it runs)."""
     return any(p.stop or p.structured_outputs for p in (params if isinstance(params, list) else [params]))
 
