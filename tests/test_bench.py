@@ -62,8 +62,11 @@ def test_two_rank_steps_are_set_against_the_one_rank_step(capsys):
 @pytest.mark.multiprocess
 def test_layouts_measured_in_turns_give_step_times_and_the_one_rank_tokens():
     threads = torch.get_num_threads()
-    steps, differ = decode_steps_in_turns(str(SHIPPED), "float32", 2, 2, rounds=2, new_tokens=4)
-    assert set(steps) == {*REFERENCES, ONE_CORE, *LAYOUTS} and all(0 < s < 1 for s in steps.values())
+    # One eager and one compiled layout of LAYOUTS (each is checked against one rank in tests of its own)
+    layouts = ("replicated/tensor", "layer/layer, compiled")
+    assert set(layouts) < set(LAYOUTS)
+    steps, differ = decode_steps_in_turns(str(SHIPPED), "float32", 2, 2, rounds=2, new_tokens=4, layouts=layouts)
+    assert set(steps) == {*REFERENCES, ONE_CORE, *layouts} and all(0 < s < 1 for s in steps.values())
     assert torch.get_num_threads() == threads  # the 1-core model's turns set this process's threads, then restore
     assert differ == []  # fp32: every layout gives its 1-rank reference's tokens
     assert memory_short(str(SHIPPED)) is None  # a few MB

@@ -163,14 +163,15 @@ for width in (512, 4100, 7):
 """
 
 
-def _build_run(flavour: str | None, tmp_path) -> list[str]:
-    """OTHER_BUILD's lines from `flavour`'s build in `tmp_path`, or from this CPU's own build (cached) if None."""
+def _build_run(flavour: str | None, tmp_path) -> tuple[list[str], str]:
+    """(OTHER_BUILD's lines, its stderr) from `flavour`'s build in `tmp_path`, or from this CPU's own build (cached)
+    if None."""
     env = {k: v for k, v in os.environ.items() if k != "MOE_CPU_KERNELS"}
     if flavour is not None:
         env.update(TORCH_EXTENSIONS_DIR=str(tmp_path), MOE_CPU_KERNELS=flavour)
     done = subprocess.run([sys.executable, "-c", OTHER_BUILD], capture_output=True, text=True, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout.splitlines()
+    return done.stdout.splitlines(), done.stderr
 
 
 @pytest.mark.slow
@@ -180,14 +181,17 @@ def test_every_build_gives_both_kernels_the_same_bits_as_this_one(flavour, tmp_p
     dot_rows' order too: its prompt and decode kernels agree, and its int8 results are this build's. With AVX2 its
     fp32 and bf16 results are this build's too (AVX2 or AVX-512: 6 or 12 weight rows per inner loop, 8 or 16 lanes,
     the same multiply-adds per lane); without, two roundings per multiply-add (never fused by the compiler) give
-    other fp32 bits."""
+    other fp32 bits. Its new extension cache is a new virtual environment's: one notice and a build, then a quiet
+    load."""
     own = native._simd_flags()[0]
     if flavour == own:
         pytest.skip(f"this CPU's own build is {flavour}: the other tests run it")
-    other, mine = _build_run(flavour, tmp_path), _build_run(None, tmp_path)
+    (other, built), (mine, _) = _build_run(flavour, tmp_path), _build_run(None, tmp_path)
     assert (other[0], mine[0]) == (flavour, own)
     same = [line for line in mine[1:] if flavour == "avx2" or line.startswith("int8")]
     assert len(same) >= 3 and set(same) <= set(other[1:])
+    again, loaded = _build_run(flavour, tmp_path)
+    assert "building the CPU kernels" in built and "building" not in loaded and again == other
 
 
 def test_an_unknown_kernel_build_is_refused_in_one_line(monkeypatch):

@@ -77,11 +77,11 @@ def turn_order(names: list[str], r: int) -> list[str]:
     return names if r % 2 == 0 else names[::-1]
 
 
-def decode_steps_in_turns(path: str, dtype: str, gpus: int, threads: int, rounds: int = 8,
-                          new_tokens: int = 64) -> tuple[dict[str, float], list[str]]:
-    """({"1 rank": median step seconds, "1 rank, compiled": ..., ONE_CORE: ..., layout: ...}, the layouts whose
-    greedy tokens differed from their 1-rank reference's (`reference_of`) in some round). The 1-rank models get
-    `threads`, ONE_CORE and each of the `gpus` ranks threads // gpus."""
+def decode_steps_in_turns(path: str, dtype: str, gpus: int, threads: int, rounds: int = 8, new_tokens: int = 64,
+                          layouts: tuple[str, ...] = tuple(LAYOUTS)) -> tuple[dict[str, float], list[str]]:
+    """({"1 rank": median step seconds, "1 rank, compiled": ..., ONE_CORE: ..., layout: ...}, those of `layouts`
+    whose greedy tokens differed from their 1-rank reference's (`reference_of`) in some round). The 1-rank models
+    get `threads`, ONE_CORE and each of the `gpus` ranks threads // gpus."""
     from moe import MoEModel
 
     models = {}
@@ -93,8 +93,8 @@ def decode_steps_in_turns(path: str, dtype: str, gpus: int, threads: int, rounds
         for name, options in REFERENCES.items():
             models[name] = MoEModel.from_pretrained(path, dtype=dtype, threads=threads, **options)
         models[ONE_CORE] = MoEModel.from_pretrained(path, dtype=dtype, compile=True)
-        for name, options in LAYOUTS.items():
-            models[name] = MoEModel.from_pretrained(path, dtype=dtype, gpus=gpus, threads=per_rank, **options)
+        for name in layouts:
+            models[name] = MoEModel.from_pretrained(path, dtype=dtype, gpus=gpus, threads=per_rank, **LAYOUTS[name])
         vocab = models["1 rank"].config.vocab_size
         for name, model in models.items():
             with torch_threads(own_threads.get(name)):
@@ -108,7 +108,7 @@ def decode_steps_in_turns(path: str, dtype: str, gpus: int, threads: int, rounds
                     step, tokens[name] = batch1_step(models[name], vocab, r, new_tokens)
                 steps[name].append(step)
             differ |= {name for name, out in tokens.items() if out != tokens[reference_of(name)]}
-        return {name: statistics.median(s) for name, s in steps.items()}, [n for n in LAYOUTS if n in differ]
+        return {name: statistics.median(s) for name, s in steps.items()}, [n for n in layouts if n in differ]
     finally:
         for model in models.values():
             model.close()
