@@ -97,7 +97,7 @@ def test_cli_exits_non_zero_naming_the_killed_rank():
     # Wait for generation to start (the prompt is echoed once the ranks are up), then kill one rank.
     while "And God said" not in proc.stdout.readline():
         assert proc.poll() is None, proc.stderr.read()
-    ranks = [c for c in process_tree(proc.pid) if "moe.workers.entry" in open(f"/proc/{c}/cmdline").read()]
+    ranks = [c for c in process_tree(proc.pid) if open(f"/proc/{c}/comm").read().startswith("moe-rank")]
     assert len(ranks) == 3
     os.kill(ranks[1], signal.SIGKILL)
     _, err = proc.communicate(timeout=30)

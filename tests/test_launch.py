@@ -1,5 +1,6 @@
-"""Rank processes are fresh interpreters: a model with N ranks starts from any kind of user code (a script
-without a main guard, `python -c`, a script on standard input, an interactive session), and leaves nothing."""
+"""Rank processes are fresh interpreters (on Linux forked from a server that imported torch once): a model with N
+ranks starts from any kind of user code (a script without a main guard, `python -c`, a script on standard input, an
+interactive session), and leaves nothing."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ import sys
 
 import pytest
 
+from moe import MoEModel
+from moe.errors import RankFailure
+from moe.workers import forkserver, spawn
 from moe.workers.group import run_ranks
 from tests.checkpoints import TRAINED
+from tests.waiting import wait_gone
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -69,3 +74,61 @@ def test_batch_ranks_refuse_a_target_they_could_not_import(monkeypatch):
     monkeypatch.setattr(_target_in_main, "__module__", "__main__")
     with pytest.raises(ValueError, match="defined in __main__"):
         run_ranks(_target_in_main, 2)
+
+
+def _report_where_it_runs(rank, world_size, port, out_dir):  # a batch job: what a rank sees of its start
+    os.makedirs(out_dir, exist_ok=True)
+    seen = [os.getcwd(), os.environ.get("MOE_TEST_MARK"), os.environ.get("PYTEST_CURRENT_TEST"),
+            open("/proc/self/comm").read().strip()]
+    with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
+        f.write("|".join(map(str, seen)))
+    print(f"rank {rank} says hello", flush=True)
+
+
+@pytest.mark.skipif(not forkserver.available(), reason="the fork server is Linux's")
+def test_forked_ranks_see_the_callers_directory_environment_and_output(tmp_path, monkeypatch, capfd):
+    """A forked rank starts where a fresh one would: the caller's working directory, environment and stdout now, not
+    the ones the fork server started with. A variable read at import gets a server of its own; pytest's name of the
+    running test does not."""
+    servers = []
+    for mark, test_name in [("one", "a"), ("two", "a"), ("two", "b")]:
+        monkeypatch.setenv("MOE_TEST_MARK", mark)
+        monkeypatch.setenv("PYTEST_CURRENT_TEST", test_name)
+        here = tmp_path / f"{mark}-{test_name}"
+        here.mkdir()
+        monkeypatch.chdir(here)
+        run_ranks(_report_where_it_runs, 2, str(here / "out"))
+        seen = sorted((here / "out").iterdir())
+        assert [p.read_text() for p in seen] == [f"{here}|{mark}|{test_name}|moe-rank{r}" for r in range(2)]
+        out = capfd.readouterr().out
+        assert "rank 0 says hello" in out and "rank 1 says hello" in out
+        servers.append(next(reversed(forkserver._servers.values())).proc.pid)
+    assert servers[0] != servers[1] == servers[2]
+
+
+def test_forked_and_fresh_ranks_give_the_same_tokens(monkeypatch):
+    texts = {}
+    for fork in (True, False):
+        monkeypatch.setattr(spawn, "FORK", fork)
+        with MoEModel.from_pretrained(TRAINED, gpus=2) as model:
+            texts[fork] = model.generate(["And God said"], max_new_tokens=8)
+            names = [open(f"/proc/{p}/comm").read().strip() for p in model.info.pids]
+            assert names == ["moe-rank0", "moe-rank1"]
+    assert texts[True] == texts[False]
+
+
+@pytest.mark.skipif(not forkserver.available(), reason="the fork server is Linux's")
+def test_a_killed_fork_server_takes_its_ranks_along_and_the_next_load_starts_another():
+    model = MoEModel.from_pretrained(TRAINED, gpus=2)
+    servers = [s.proc for s in forkserver._servers.values() if s.proc.poll() is None]
+    pids = model.info.pids
+    parents = {int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1]) for p in pids}
+    assert parents <= {s.pid for s in servers}  # forked by a server, not started by us
+    for server in servers:
+        server.kill()
+        server.wait()
+    wait_gone(pids)  # the ranks die with their server
+    with pytest.raises(RankFailure, match="killed by signal 9"):
+        model.generate(["And God said"], max_new_tokens=4)
+    with MoEModel.from_pretrained(TRAINED, gpus=2) as again:
+        assert again.generate(["And God said"], max_new_tokens=4)

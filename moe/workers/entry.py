@@ -1,4 +1,5 @@
-"""The first code a rank process runs: `python -m moe.workers.entry FD PARENT_PID NAME`.
+"""The first code a rank process runs: `python -m moe.workers.entry FD PARENT_PID NAME`, or `run` in a child of
+the fork server (`moe.workers.forkserver`).
 
 It binds its life to the parent's, reads `(target, args)` from the pipe on FD, and calls the target.
 """
@@ -15,6 +16,7 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
+from moe.host import name_this_thread
 from moe.workers.spawn import Channel
 
 
@@ -44,8 +46,13 @@ def resolve(target: str):
 
 
 def main(argv: list[str]) -> None:
-    fd, parent_pid = int(argv[0]), int(argv[1])
+    run(int(argv[0]), int(argv[1]), argv[2])
+
+
+def run(fd: int, parent_pid: int, name: str) -> None:
+    """Be rank `name` (as `ps` shows it) for the parent on pipe `fd`, and exit when its work ends."""
     die_with_parent(parent_pid)
+    name_this_thread(f"moe-{name}")
     # Ctrl-C in a terminal reaches the whole process group; the parent decides what stops, not each rank.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Channel(Connection(fd))

@@ -99,7 +99,10 @@ class WorkerGroup:
         self.next_id += 1
         req = self.next_id
         for rp in self.ranks:
-            rp.conn.send((req, on_token is not None, *request))
+            try:
+                rp.conn.send((req, on_token is not None, *request))
+            except OSError:  # it died while idle: name it as a death mid-request is named
+                self._fail(*self._root_cause(rp.rank, _exit_cause(rp)))
         try:
             replies, errors = self._collect(req, on_token)
         except BaseException:

@@ -2,7 +2,8 @@
 
 Why not `multiprocessing`'s spawn: it re-imports the user's `__main__`, so a plain script, `python -c` or a
 notebook without an `if __name__ == "__main__":` guard would run again in every rank. A fresh interpreter
-running the project's own entry point (as torchrun and vLLM start their workers) imports only the package.
+running the project's own entry point (as torchrun and vLLM start their workers) imports only the package; on
+Linux that interpreter is the fork server's copy, forked with torch already imported.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
 
+from moe.workers import forkserver
+from moe.workers.forkserver import ForkedRank
+
+FORK = True  # ranks forked from a server that imported torch once, where the system allows (`moe.workers.forkserver`)
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding `moe/` and `models/`
 
 
@@ -52,7 +57,7 @@ class Channel:
 @dataclass
 class RankProcess:
     rank: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedRank
     conn: Channel  # our end; EOF on it means the rank's process is gone
 
     @property
@@ -68,9 +73,12 @@ def start_rank(rank: int, target: str, args: tuple, threads: int | None = None) 
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)  # before torch is imported there, so no pool is oversized
-    cmd = [sys.executable, "-m", "moe.workers.entry", str(theirs.fileno()), str(os.getpid()), f"rank{rank}"]
     try:
-        proc = subprocess.Popen(cmd, env=env, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        if FORK and forkserver.available():
+            proc = forkserver.fork_rank(f"rank{rank}", theirs.fileno(), env)
+        else:
+            cmd = [sys.executable, "-m", "moe.workers.entry", str(theirs.fileno()), str(os.getpid()), f"rank{rank}"]
+            proc = subprocess.Popen(cmd, env=env, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
     finally:
         theirs.close()  # only the child holds its end now, so its death closes the pipe
     channel = Channel(ours)

@@ -1,0 +1,236 @@
+"""Start rank processes by forking a server that imported torch once (Linux).
+
+Why: a fresh interpreter spends about 2 s of CPU importing torch before it can be a rank; N ranks pay it N times,
+and on a machine with fewer cores than ranks they pay it one after another, at every model load. The fork server
+is a clean interpreter (no user code, no CUDA, no OpenMP pool, one Python thread) that imports what a rank
+imports, then forks one child per rank on request: the child starts in milliseconds, modules loaded. This is
+Python's `forkserver` start method and Android's zygote; not `multiprocessing`'s own, which preloads the user's
+`__main__` (see `moe.workers.spawn`).
+
+A server serves one environment: imported modules read variables at import, so a rank started with another
+environment gets a server of its own. Each request hands over the rank's pipe, this process's stdout and stderr,
+its working directory and environment, so the child starts where a freshly started rank would. The server reaps
+its children and writes each one's exit status to a pipe the child's `ForkedRank` reads, so it polls and waits as
+a `Popen` does. The server ends with this process (its socket closes) once its ranks are gone.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import traceback
+from multiprocessing.connection import wait
+
+MAX_SERVERS = 4  # one per environment seen; the oldest idle ones are closed beyond this
+# Variables that change between loads of one process and that nothing reads at import: a server serves any value
+# (the rank gets the caller's own). pytest names the running test in one.
+READ_LATER = frozenset({"PYTEST_CURRENT_TEST"})
+
+
+def available() -> bool:
+    """Linux: `fork`, descriptors passed over a Unix socket, and a child that dies with its parent."""
+    return sys.platform.startswith("linux")
+
+
+class ForkedRank:
+    """A rank forked by the server, seen as a `Popen`: `pid`, `returncode`, `poll`, `wait`, signals."""
+
+    def __init__(self, pid: int, status_fd: int) -> None:
+        self.pid, self.returncode, self._status = pid, None, status_fd
+
+    def poll(self) -> int | None:
+        if self.returncode is None and wait([self._status], timeout=0):
+            self._read_status()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not wait([self._status], timeout=timeout):
+                raise subprocess.TimeoutExpired(f"rank process {self.pid}", timeout)
+            self._read_status()
+        return self.returncode
+
+    def _read_status(self) -> None:
+        data = os.read(self._status, 8)
+        os.close(self._status)
+        # Nothing written: the server died first, and its children with it (SIGKILL, `moe.workers.entry`).
+        self.returncode = os.waitstatus_to_exitcode(int(data)) if data else -signal.SIGKILL
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def __del__(self) -> None:
+        if self.returncode is None:
+            try:
+                os.close(self._status)
+            except OSError:
+                pass
+
+
+class _Server:
+    """Our end of one fork server: a Unix socket whose messages are fork requests and their pids."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        cmd = [sys.executable, "-m", "moe.workers.forkserver", str(os.getpid()), str(theirs.fileno())]
+        try:
+            self.proc = subprocess.Popen(cmd, env=env, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        self.sock = ours
+
+    def fork(self, name: str, conn_fd: int, env: dict[str, str]) -> ForkedRank:
+        status_r, status_w = os.pipe()
+        try:
+            socket.send_fds(self.sock, [pickle.dumps((name, _cwd(), env))], [conn_fd, status_w, 1, 2])
+            reply = self.sock.recv(64)
+        except OSError:
+            reply = b""
+        finally:
+            os.close(status_w)
+        if not reply:
+            os.close(status_r)
+            code = self.proc.poll()
+            raise ConnectionError("the rank fork server " + ("is gone" if code is None else f"exited ({code})"))
+        return ForkedRank(int(reply), status_r)
+
+    def close(self) -> None:
+        self.sock.close()  # the server leaves once its ranks have
+
+
+def _cwd() -> str | None:
+    try:
+        return os.getcwd()
+    except FileNotFoundError:  # removed meanwhile: the child keeps the server's, as a `Popen` child would its own
+        return None
+
+
+_servers: dict[tuple, _Server] = {}
+_lock = threading.Lock()  # groups may start from several threads
+
+
+def fork_rank(name: str, conn_fd: int, env: dict[str, str]) -> ForkedRank:
+    """A rank process named `name` running `moe.workers.entry` on the pipe `conn_fd`, environment `env`."""
+    key = tuple(sorted((k, v) for k, v in env.items() if k not in READ_LATER))
+    with _lock:
+        for attempt in range(2):
+            server = _servers.pop(key, None) or _Server(env)
+            _servers[key] = server  # the newest last: the oldest are closed first
+            while len(_servers) > MAX_SERVERS:
+                _servers.pop(next(iter(_servers))).close()
+            try:
+                return server.fork(name, conn_fd, env)
+            except ConnectionError:  # killed meanwhile: one fresh server, once
+                _servers.pop(key).close()
+                if attempt:
+                    raise
+    raise AssertionError("unreachable")
+
+
+# ---- in the server process ----
+
+def _reap(status: dict[int, int]) -> None:
+    """Collect every child that has ended and hand its wait status to its `ForkedRank`."""
+    while status:
+        try:
+            pid, code = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        fd = status.pop(pid, None)
+        if fd is not None:
+            os.write(fd, str(code).encode())
+            os.close(fd)
+
+
+def _child(request: bytes, fds: list[int], keep_closed: list[int]) -> None:
+    """In a forked child: take the parent's stdout, stderr and directory, then run as `moe.workers.entry` does."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for fd in keep_closed:
+        os.close(fd)
+    conn_fd, status_w, out, err = fds
+    os.close(status_w)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    os.close(out)
+    os.close(err)
+    name, cwd, env = pickle.loads(request)
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
+    from moe.workers.entry import run
+
+    run(conn_fd, os.getppid(), name)
+
+
+def serve(parent_pid: int, sock: socket.socket) -> None:
+    """Fork a rank per request until the parent closes its end (then stay until the ranks are gone) or dies."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)  # SIGCHLD interrupts the wait below
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    status: dict[int, int] = {}  # a running child's pid -> the pipe its exit status goes to
+    accepting = True
+    while accepting or status:
+        ready = wait([sock, wake_r] if accepting else [wake_r], timeout=1.0)
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+        _reap(status)
+        if os.getppid() != parent_pid:
+            return  # the parent died: our children die with us
+        if sock not in ready:
+            continue
+        try:
+            request, fds, _, _ = socket.recv_fds(sock, 1 << 16, 4)
+        except OSError:
+            request, fds = b"", []
+        if not request:
+            accepting = False
+            continue
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _child(request, fds, [sock.fileno(), wake_r, wake_w, *status.values()])
+            finally:  # never back into this loop: the child of a server is a rank or nothing
+                traceback.print_exc()
+                os._exit(1)
+        status[pid] = fds[1]
+        for fd in (fds[0], fds[2], fds[3]):
+            os.close(fd)
+        sock.send(str(pid).encode())
+
+
+def main(argv: list[str]) -> None:
+    """Not `die_with_parent`: the kernel's parent-death signal follows the thread that started us, and a server
+    outlives the thread that asked for it first. `serve` sees the parent's death (EOF, then `getppid`) instead."""
+    parent_pid, fd = int(argv[0]), int(argv[1])
+    from moe.host import name_this_thread
+
+    name_this_thread("moe-forkserver")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a rank: Ctrl-C is the parent's to act on
+    import moe.workers.group  # noqa: F401  what every rank imports, once
+    import moe.workers.rank  # noqa: F401
+
+    serve(parent_pid, socket.socket(fileno=fd))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
