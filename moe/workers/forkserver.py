@@ -16,6 +16,7 @@ a `Popen` does. The server ends with this process (its socket closes) once its r
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import signal
@@ -33,15 +34,15 @@ READ_LATER = frozenset({"PYTEST_CURRENT_TEST"})
 
 
 def available() -> bool:
-    """Linux: `fork`, descriptors passed over a Unix socket, and a child that dies with its parent."""
-    return sys.platform.startswith("linux")
+    """Linux: `fork`, descriptors passed over a Unix socket, a child that dies with its parent, pidfds."""
+    return sys.platform.startswith("linux") and hasattr(os, "pidfd_open")
 
 
 class ForkedRank:
     """A rank forked by the server, seen as a `Popen`: `pid`, `returncode`, `poll`, `wait`, signals."""
 
-    def __init__(self, pid: int, status_fd: int) -> None:
-        self.pid, self.returncode, self._status = pid, None, status_fd
+    def __init__(self, pid: int, status_fd: int, pidfd: int | None) -> None:
+        self.pid, self.returncode, self._status, self._pidfd = pid, None, status_fd, pidfd
 
     def poll(self) -> int | None:
         if self.returncode is None and wait([self._status], timeout=0):
@@ -57,14 +58,19 @@ class ForkedRank:
 
     def _read_status(self) -> None:
         data = os.read(self._status, 8)
-        os.close(self._status)
+        self._close()
         # Nothing written: the server died first, and its children with it (SIGKILL, `moe.workers.entry`).
         self.returncode = os.waitstatus_to_exitcode(int(data)) if data else -signal.SIGKILL
 
     def send_signal(self, sig: int) -> None:
+        """Through the process's pidfd: the server reaps our rank, so its pid may already name another process
+        (a kernel before Linux 5.3 has no pidfds: by pid there)."""
         if self.poll() is None:
             try:
-                os.kill(self.pid, sig)
+                if self._pidfd is None:
+                    os.kill(self.pid, sig)
+                else:
+                    signal.pidfd_send_signal(self._pidfd, sig)
             except ProcessLookupError:
                 pass
 
@@ -74,12 +80,15 @@ class ForkedRank:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
+    def _close(self) -> None:
+        for fd in (self._status, self._pidfd):
+            if fd is not None:
+                os.close(fd)
+        self._status = self._pidfd = None
+
     def __del__(self) -> None:
-        if self.returncode is None:
-            try:
-                os.close(self._status)
-            except OSError:
-                pass
+        if self._status is not None:
+            self._close()
 
 
 class _Server:
@@ -98,7 +107,7 @@ class _Server:
         status_r, status_w = os.pipe()
         try:
             socket.send_fds(self.sock, [pickle.dumps((name, _cwd(), env))], [conn_fd, status_w, 1, 2])
-            reply = self.sock.recv(64)
+            reply, pidfd, _, _ = socket.recv_fds(self.sock, 64, 1)
         except OSError:
             reply = b""
         finally:
@@ -107,10 +116,14 @@ class _Server:
             os.close(status_r)
             code = self.proc.poll()
             raise ConnectionError("the rank fork server " + ("is gone" if code is None else f"exited ({code})"))
-        return ForkedRank(int(reply), status_r)
+        return ForkedRank(int(reply), status_r, pidfd[0] if pidfd else None)
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 0.0) -> None:
         self.sock.close()  # the server leaves once its ranks have
+        try:
+            self.proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            pass  # ranks still running: it is reaped later, by `subprocess` or at our exit
 
 
 def _cwd() -> str | None:
@@ -122,6 +135,13 @@ def _cwd() -> str | None:
 
 _servers: dict[tuple, _Server] = {}
 _lock = threading.Lock()  # groups may start from several threads
+
+
+@atexit.register
+def _close_all() -> None:
+    """At exit (models closed by then: their handlers were registered later, so run first), let every server go."""
+    while _servers:
+        _servers.popitem()[1].close(wait_s=5.0)
 
 
 def fork_rank(name: str, conn_fd: int, env: dict[str, str]) -> ForkedRank:
@@ -155,7 +175,10 @@ def _reap(status: dict[int, int]) -> None:
             return
         fd = status.pop(pid, None)
         if fd is not None:
-            os.write(fd, str(code).encode())
+            try:
+                os.write(fd, str(code).encode())
+            except OSError:  # nobody reads it any more (the caller let go of its `ForkedRank`)
+                pass
             os.close(fd)
 
 
@@ -215,7 +238,13 @@ def serve(parent_pid: int, sock: socket.socket) -> None:
         status[pid] = fds[1]
         for fd in (fds[0], fds[2], fds[3]):
             os.close(fd)
-        sock.send(str(pid).encode())
+        try:
+            pidfd = [os.pidfd_open(pid)]
+        except OSError:  # before Linux 5.3
+            pidfd = []
+        socket.send_fds(sock, [str(pid).encode()], pidfd)
+        for fd in pidfd:
+            os.close(fd)
 
 
 def main(argv: list[str]) -> None:
@@ -230,6 +259,7 @@ def main(argv: list[str]) -> None:
     import moe.workers.rank  # noqa: F401
 
     serve(parent_pid, socket.socket(fileno=fd))
+    os._exit(0)  # no interpreter teardown: nothing of ours is left to flush, and torch's would only take time
 
 
 if __name__ == "__main__":
