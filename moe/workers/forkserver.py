@@ -242,7 +242,10 @@ def serve(parent_pid: int, sock: socket.socket) -> None:
             pidfd = [os.pidfd_open(pid)]
         except OSError:  # before Linux 5.3
             pidfd = []
-        socket.send_fds(sock, [str(pid).encode()], pidfd)
+        try:
+            socket.send_fds(sock, [str(pid).encode()], pidfd)
+        except OSError:  # the parent is gone mid-request
+            accepting = False
         for fd in pidfd:
             os.close(fd)
 
