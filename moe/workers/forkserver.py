@@ -148,18 +148,20 @@ def fork_rank(name: str, conn_fd: int, env: dict[str, str]) -> ForkedRank:
     """A rank process named `name` running `moe.workers.entry` on the pipe `conn_fd`, environment `env`."""
     key = tuple(sorted((k, v) for k, v in env.items() if k not in READ_LATER))
     with _lock:
-        for attempt in range(2):
-            server = _servers.pop(key, None) or _Server(env)
-            _servers[key] = server  # the newest last: the oldest are closed first
-            while len(_servers) > MAX_SERVERS:
-                _servers.pop(next(iter(_servers))).close()
-            try:
-                return server.fork(name, conn_fd, env)
-            except ConnectionError:  # killed meanwhile: one fresh server, once
-                _servers.pop(key).close()
-                if attempt:
-                    raise
-    raise AssertionError("unreachable")
+        try:
+            return _server_for(key, env).fork(name, conn_fd, env)
+        except ConnectionError:  # killed meanwhile: one fresh server, once
+            _servers.pop(key).close()
+            return _server_for(key, env).fork(name, conn_fd, env)
+
+
+def _server_for(key: tuple, env: dict[str, str]) -> _Server:
+    """The server of this environment, started if there is none; the newest used last, the oldest let go first."""
+    server = _servers.pop(key, None) or _Server(env)
+    _servers[key] = server
+    while len(_servers) > MAX_SERVERS:
+        _servers.pop(next(iter(_servers))).close()
+    return server
 
 
 # ---- in the server process ----
@@ -182,11 +184,11 @@ def _reap(status: dict[int, int]) -> None:
             os.close(fd)
 
 
-def _child(request: bytes, fds: list[int], keep_closed: list[int]) -> None:
+def _child(request: bytes, fds: list[int], servers_fds: list[int]) -> None:
     """In a forked child: take the parent's stdout, stderr and directory, then run as `moe.workers.entry` does."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for fd in keep_closed:
+    for fd in servers_fds:
         os.close(fd)
     conn_fd, status_w, out, err = fds
     os.close(status_w)
