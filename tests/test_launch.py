@@ -131,3 +131,40 @@ def test_a_killed_fork_server_takes_its_ranks_along_and_the_next_load_starts_ano
         model.generate(["And God said"], max_new_tokens=4)
     with MoEModel.from_pretrained(TRAINED, gpus=2) as again:
         assert again.generate(["And God said"], max_new_tokens=4)
+
+
+FORKED_USER = f"""
+import os, sys
+from moe import MoEModel
+from moe.errors import RankFailure
+from moe.workers import forkserver
+
+def server_of(model):
+    return {{int(open(f"/proc/{{p}}/stat").read().rsplit(")", 1)[1].split()[1]) for p in model.info.pids}}
+
+m = MoEModel.from_pretrained({str(TRAINED)!r}, gpus=2)
+want = m.generate(["And God said"], max_new_tokens=6)
+pid = os.fork()
+if pid == 0:
+    try:
+        m.generate(["And God said"], max_new_tokens=6)
+        sys.exit("the forked copy of the model ran")
+    except RankFailure as e:
+        assert "forked" in str(e), e
+    with MoEModel.from_pretrained({str(TRAINED)!r}, gpus=2) as mine:
+        assert mine.generate(["And God said"], max_new_tokens=6) == want
+        assert server_of(mine).isdisjoint(server_of(m)), "the parent's fork server forked the child's ranks"
+    sys.exit(0)  # a normal exit: the inherited model's close at exit must leave the parent's ranks alone
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, status
+assert m.generate(["And God said"], max_new_tokens=6) == want
+print("ok")
+"""
+
+
+def test_a_process_forked_from_a_callers_loads_its_own_model_and_leaves_the_parents_alone(tmp_path):
+    """`os.fork` after a load: the child's copy of the model refuses (its requests would mix with the parent's on the
+    same pipes), its exit leaves the parent's ranks running, and a model it loads has ranks of its own."""
+    proc = subprocess.run([sys.executable, "-c", FORKED_USER], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]

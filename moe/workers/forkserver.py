@@ -144,6 +144,21 @@ def _close_all() -> None:
         _servers.popitem()[1].close(wait_s=5.0)
 
 
+def _forget_after_fork() -> None:
+    """In a child forked from this process (`os.fork`, a `fork` start method): the servers are the parent's. Requests
+    of two processes on one socket would mix with their replies, so the child closes its copies (the parent's exit
+    still ends the servers) and starts servers of its own if it loads a model."""
+    global _lock
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    for server in _servers.values():
+        server.sock.close()
+    _servers.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 def fork_rank(name: str, conn_fd: int, env: dict[str, str]) -> ForkedRank:
     """A rank process named `name` running `moe.workers.entry` on the pipe `conn_fd`, environment `env`."""
     key = tuple(sorted((k, v) for k, v in env.items() if k not in READ_LATER))

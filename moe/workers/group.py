@@ -67,6 +67,7 @@ class WorkerGroup:
         port = master_port or free_port()
         threads = threads or cpu_threads_per_rank(world_size)
         self.closed, self.closed_reason = False, ""
+        self.owner = os.getpid()  # a process forked from this one inherits the pipes, not the ranks
         self.next_id = READY
         self.ranks: list[RankProcess] = []
         atexit.register(self.close)
@@ -94,6 +95,9 @@ class WorkerGroup:
         A request is a transaction: replies carry its id (a late reply of an earlier request is dropped), and
         if the caller's side fails meanwhile (a streamer raises, Ctrl-C) the request is cancelled on every rank
         before the exception goes on, so the next call gets its own answer."""
+        if os.getpid() != self.owner:  # its requests would mix with the owner's on the same pipes
+            raise RankFailure(f"this model's ranks belong to process {self.owner}, which loaded it; this process was "
+                              "forked from it: load the model again here")
         if self.closed:
             raise RankFailure(f"this model's ranks were closed ({self.closed_reason}); load it again")
         self.next_id += 1
@@ -194,6 +198,8 @@ class WorkerGroup:
             return
         self.closed, self.closed_reason = True, reason
         atexit.unregister(self.close)
+        if os.getpid() != self.owner:
+            return  # a forked copy of the model going away (at its exit): the ranks are its parent's
         if not force:
             try:
                 for rp in self.ranks:
