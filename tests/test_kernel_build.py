@@ -47,3 +47,13 @@ def test_a_build_cut_short_is_linked_again(tmp_path):
     cut.write_bytes(b"\x7fELF cut short")
     assert _load_in_a_process(TORCH_EXTENSIONS_DIR=str(tmp_path)) == "True True"  # built (linked) again, loaded
     assert cut.stat().st_size > 1000
+
+
+def test_every_source_is_in_the_build_key_and_every_cpp_in_exactly_one_unit():
+    """The compiler sees only the units (`native.UNITS`), the build's name hashes `native.SOURCES`: a file missing
+    from either would be left out of the build, or changed without a rebuild."""
+    csrc = native.SOURCES[0].parent
+    assert sorted(native.SOURCES) == sorted(p for p in csrc.iterdir() if p.suffix in (".cpp", ".h"))
+    included = [line.split('"')[1] for unit in native.UNITS for line in unit.read_text().splitlines()
+                if line.startswith("#include")]
+    assert sorted(included) == sorted(p.name for p in native.SOURCES if p.suffix == ".cpp" and p not in native.UNITS)

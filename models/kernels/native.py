@@ -47,7 +47,9 @@ from models.kernels import cpuinfo
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("matvec.cpp", "prompt_gemm.cpp", "int8_rows.h", "row_dot.h", "pair_dot.h", "gemm_micro.h",
                         "gemm_layout.h", "decode_attention.cpp", "prompt_attention.cpp", "block_glue.h",
-                        "block_glue.cpp", "router.cpp", "decode_block.cpp")]
+                        "block_glue.cpp", "router.cpp", "decode_block.cpp", "unity0.cpp", "unity1.cpp")]
+# What the compiler is given: two units that include the .cpp files above (unity0.cpp says why), one per core.
+UNITS = [p for p in SOURCES if p.name.startswith("unity")]
 # Up to this many rows per weight the kernel runs (a decode step, small batches); more rows (prompts) are bound
 # by arithmetic and go to the prompt kernel (or oneDNN, MKL where it does not run).
 MAX_ROWS = 8
@@ -112,7 +114,7 @@ def available() -> bool:
                   "20-40 s",
                   file=sys.stderr)
             library.parent.mkdir(parents=True, exist_ok=True)
-            cpp_extension.load(name=name, sources=[str(p) for p in SOURCES if p.suffix == ".cpp"],
+            cpp_extension.load(name=name, sources=[str(p) for p in UNITS],
                                build_directory=str(library.parent), is_python_module=False,
                                extra_cflags=[*CFLAGS, *flags], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: the model still runs, on oneDNN/MKL

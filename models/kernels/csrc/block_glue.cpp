@@ -258,8 +258,8 @@ inline __m256 rounded8(__m256 v, c10::BFloat16) {  // to the nearest bf16, ties 
   return _mm256_blendv_ps(r, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
 }
 
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(c10::BFloat16* p, __m256 v) {  // v holds bf16 values: their upper halves
+inline void store_rounded8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store_rounded8(c10::BFloat16* p, __m256 v) {  // v holds bf16 values: their upper halves
   const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
   const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
@@ -276,7 +276,7 @@ void silu_mul_rows(const T* hp, T* op, int64_t N, int64_t F, int64_t vectored) {
 #ifdef MOE_MATVEC_AVX2
       for (; i < vectored; i += 8) {
         const __m256 s = rounded8(silu8(moe_cpu::load_floats(gate + i)), T());
-        store8(o + i, rounded8(_mm256_mul_ps(s, moe_cpu::load_floats(up + i)), T()));
+        store_rounded8(o + i, rounded8(_mm256_mul_ps(s, moe_cpu::load_floats(up + i)), T()));
       }
 #endif
       for (; i < F; ++i) o[i] = T(rounded(silu(static_cast<float>(gate[i])), T()) * static_cast<float>(up[i]));

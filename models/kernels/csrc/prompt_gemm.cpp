@@ -54,7 +54,7 @@ constexpr int64_t PANEL = 48;  // weight rows widened at a time
 constexpr int64_t DEPTH = 256;  // depth steps per pass over a panel (int8: pairs, within int32's range)
 constexpr int64_t FLOAT_DEPTH = 2048;  // fp32 columns per pass: 256 of each chain, 16 KB of a block's rows
 
-struct Group {
+struct GemmGroup {
   int64_t expert, first_row, n_rows, first_block;  // first_block: the group's first block of 16 rows
 };
 
@@ -189,7 +189,7 @@ struct FloatKind {
 
 // x's rows in blocks of 16 per group, transposed (zeros past a group's last row); false if the kind refused a row.
 template <typename K, typename X>
-bool pack(K& kind, const X* x, const std::vector<Group>& groups, int64_t blocks,
+bool pack(K& kind, const X* x, const std::vector<GemmGroup>& groups, int64_t blocks,
           std::vector<typename K::Lane>& A) {
   A.resize(blocks * kind.depth * ROWS);  // every value is written below
   std::vector<char> usable(blocks, 1);
@@ -197,7 +197,7 @@ bool pack(K& kind, const X* x, const std::vector<Group>& groups, int64_t blocks,
     std::vector<typename K::Wide> tmp(ROWS * kind.stride(), 0);
     const std::vector<typename K::Lane> zeros(kind.depth, 0);
     for (int64_t b = b0; b < b1; ++b) {
-      const Group* g = &groups[0];
+      const GemmGroup* g = &groups[0];
       while (b >= g->first_block + (g->n_rows + ROWS - 1) / ROWS) ++g;
       const typename K::Lane* rows[ROWS];
       for (int64_t r = 0; r < ROWS; ++r) {
@@ -213,7 +213,7 @@ bool pack(K& kind, const X* x, const std::vector<Group>& groups, int64_t blocks,
   return std::find(usable.begin(), usable.end(), 0) == usable.end();
 }
 
-struct Item {
+struct GemmItem {
   int64_t group, col0, block;  // rows of `group` in its block `block` against weight rows col0 .. col0 + 47
 };
 
@@ -233,8 +233,8 @@ struct Ahead {
 };
 
 template <typename K, typename Out>
-void run(const K& kind, const std::vector<typename K::Lane>& A, const std::vector<Group>& groups, Out* y) {
-  std::vector<Item> items;
+void run(const K& kind, const std::vector<typename K::Lane>& A, const std::vector<GemmGroup>& groups, Out* y) {
+  std::vector<GemmItem> items;
   for (int64_t g = 0; g < static_cast<int64_t>(groups.size()); ++g) {
     for (int64_t c = 0; c < kind.out; c += PANEL) {
       for (int64_t b = 0; b < (groups[g].n_rows + ROWS - 1) / ROWS; ++b) items.push_back({g, c, b});
@@ -249,8 +249,8 @@ void run(const K& kind, const std::vector<typename K::Lane>& A, const std::vecto
     int64_t widened_group = -1, widened_col = -1;
     Ahead ahead;
     for (int64_t i = i0; i < i1; ++i) {
-      const Item& it = items[i];
-      const Group& g = groups[it.group];
+      const GemmItem& it = items[i];
+      const GemmGroup& g = groups[it.group];
       const int64_t cols = std::min(PANEL, kind.out - it.col0);
       if (it.group != widened_group || it.col0 != widened_col) {
         for (int64_t c = 0; c < cols; ++c) kind.widen(panel.data() + c * stride, g.expert, it.col0 + c);
@@ -258,7 +258,7 @@ void run(const K& kind, const std::vector<typename K::Lane>& A, const std::vecto
         int64_t j = i + 1;  // this thread's next item on another panel
         while (j < i1 && items[j].group == it.group && items[j].col0 == it.col0) ++j;
         if (j < i1) {
-          const Item& nx = items[j];
+          const GemmItem& nx = items[j];
           const int64_t calls = (j - i) * ((kind.body() + K::kDepth - 1) / K::kDepth) * K::kPlanes * (PANEL / COLS);
           const int64_t bytes = std::min(PANEL, kind.out - nx.col0) * kind.row_bytes();
           ahead.start(kind.rows(groups[nx.group].expert, nx.col0), bytes, calls);
@@ -284,7 +284,7 @@ void run(const K& kind, const std::vector<typename K::Lane>& A, const std::vecto
 }
 
 template <typename K>
-bool compute(K& kind, const at::Tensor& x, const std::vector<Group>& groups, int64_t blocks, at::Tensor& y) {
+bool compute(K& kind, const at::Tensor& x, const std::vector<GemmGroup>& groups, int64_t blocks, at::Tensor& y) {
   std::vector<typename K::Lane> A;
   const bool packed = x.scalar_type() == at::kFloat ? pack(kind, x.data_ptr<float>(), groups, blocks, A)
                                                     : pack(kind, x.data_ptr<c10::BFloat16>(), groups, blocks, A);
@@ -308,7 +308,7 @@ at::Tensor grouped_gemm(const at::Tensor& x, const at::Tensor& w, const std::opt
   const int64_t n = x.size(0), experts = w.size(0), out = w.size(1), in = w.size(2);
   const at::Tensor c = counts.has_value() ? counts->contiguous() : at::full({1}, n, at::kLong);
   TORCH_CHECK(c.dim() == 1 && c.size(0) == experts && c.scalar_type() == at::kLong, "grouped_gemm: counts [E] int64");
-  std::vector<Group> groups;
+  std::vector<GemmGroup> groups;
   int64_t first = 0, blocks = 0;
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t rows = c.data_ptr<int64_t>()[e];
@@ -337,7 +337,7 @@ at::Tensor grouped_gemm(const at::Tensor& x, const at::Tensor& w, const std::opt
                 std::vector<float>(n + ROWS, 0.f)};  // 16 past the last row: `finish` reads a whole block
   if (!compute(kind, xc, groups, blocks, y)) {  // a NaN or an infinity: fp32 products, which propagate them
     const at::Tensor xf = xc.to(at::kFloat);
-    for (const Group& g : groups) {
+    for (const GemmGroup& g : groups) {
       const at::Tensor part = at::matmul(xf.narrow(0, g.first_row, g.n_rows), w[g.expert].to(at::kFloat).t());
       y.narrow(0, g.first_row, g.n_rows).copy_(part.mul(sf.view({experts, out})[g.expert]));
     }
