@@ -137,7 +137,6 @@ FORKED_USER = f"""
 import os, sys
 from moe import MoEModel
 from moe.errors import RankFailure
-from moe.workers import forkserver
 
 def server_of(model):
     return {{int(open(f"/proc/{{p}}/stat").read().rsplit(")", 1)[1].split()[1]) for p in model.info.pids}}
