@@ -149,8 +149,8 @@ void attend_group(const float* q, int64_t heads, const T* k, const T* v, int64_t
 }
 
 template <typename T>
-void run(const float* qp, const at::Tensor& k, const at::Tensor& v, const bool* mask, int64_t mask_batch_stride,
-         float scale, float* op, int64_t B, int64_t H, int64_t d) {
+void attend_batch(const float* qp, const at::Tensor& k, const at::Tensor& v, const bool* mask,
+                  int64_t mask_batch_stride, float scale, float* op, int64_t B, int64_t H, int64_t d) {
   const int64_t G = k.size(1), L = k.size(2), per = H / G;
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
@@ -204,9 +204,9 @@ at::Tensor moe_cpu::decode_attention(const at::Tensor& q, const at::Tensor& k, c
   float* op = fp32 ? out.data_ptr<float>() : out_buffer.data();
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   if (k.scalar_type() == at::kFloat) {
-    run<float>(qp, k, v, mp, mask_batch_stride, scale, op, B, H, d);
+    attend_batch<float>(qp, k, v, mp, mask_batch_stride, scale, op, B, H, d);
   } else {
-    run<c10::BFloat16>(qp, k, v, mp, mask_batch_stride, scale, op, B, H, d);
+    attend_batch<c10::BFloat16>(qp, k, v, mp, mask_batch_stride, scale, op, B, H, d);
   }
   if (!fp32) {
     c10::BFloat16* ob = out.data_ptr<c10::BFloat16>();

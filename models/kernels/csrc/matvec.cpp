@@ -215,7 +215,7 @@ struct Group {
 // a vector multiply of them) read the same bf16 weights at 0.83-0.92x this speed (a [104000, 512] weight, 2 threads
 // of a 2-core AMD EPYC Zen 5, the two alternated in one process); the loop between two groups of 4 rows is short.
 template <typename W, typename Rows, typename Out>
-void run(const Rows& x, const W* w, const float* scale, const std::vector<Group>& groups, int64_t out_features,
+void products(const Rows& x, const W* w, const float* scale, const std::vector<Group>& groups, int64_t out_features,
          int64_t in_features, Out* y) {
   const int64_t work = out_features * static_cast<int64_t>(groups.size());
   at::parallel_for(0, work, 64, [&](int64_t begin, int64_t end) {
@@ -318,9 +318,9 @@ at::Tensor moe_cpu::grouped_matvec(const at::Tensor& x_in, const at::Tensor& w,
   if (covered < n) y.narrow(0, covered, n - covered).zero_();
   auto dispatch_out = [&](auto* wp, const auto& rows) {
     if (x.scalar_type() == at::kFloat) {
-      run(rows, wp, sp, groups, out_features, in_features, y.data_ptr<float>());
+      products(rows, wp, sp, groups, out_features, in_features, y.data_ptr<float>());
     } else {
-      run(rows, wp, sp, groups, out_features, in_features, y.data_ptr<c10::BFloat16>());
+      products(rows, wp, sp, groups, out_features, in_features, y.data_ptr<c10::BFloat16>());
     }
   };
   std::vector<int16_t> q;

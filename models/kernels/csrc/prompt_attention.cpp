@@ -141,7 +141,7 @@ struct Item {
 };
 
 template <typename T>
-at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+at::Tensor causal_tiles(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3), G = k.size(1), T_ = (S + QT - 1) / QT;
   at::Tensor y = at::empty({B, S, H, D}, q.options());
   std::vector<Item> by_cost;  // tiles cost their keys: later tiles more
@@ -184,7 +184,7 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
               "prompt_attention: q, k and v all fp32 or all bf16");
 #ifdef MOE_GEMM_AVX512
   TORCH_CHECK(q.size(3) % 16 == 0, "prompt_attention: a head dim that is a multiple of 16, got ", q.size(3));
-  return q.scalar_type() == at::kFloat ? run<float>(q, k, v) : run<c10::BFloat16>(q, k, v);
+  return q.scalar_type() == at::kFloat ? causal_tiles<float>(q, k, v) : causal_tiles<c10::BFloat16>(q, k, v);
 #else
   TORCH_CHECK(false, "prompt_attention: built without AVX-512 (models/kernels/native.py: `prompt_attention_runs`)");
 #endif

@@ -233,7 +233,7 @@ struct Ahead {
 };
 
 template <typename K, typename Out>
-void run(const K& kind, const std::vector<typename K::Lane>& A, const std::vector<GemmGroup>& groups, Out* y) {
+void gemm_items(const K& kind, const std::vector<typename K::Lane>& A, const std::vector<GemmGroup>& groups, Out* y) {
   std::vector<GemmItem> items;
   for (int64_t g = 0; g < static_cast<int64_t>(groups.size()); ++g) {
     for (int64_t c = 0; c < kind.out; c += PANEL) {
@@ -290,9 +290,9 @@ bool compute(K& kind, const at::Tensor& x, const std::vector<GemmGroup>& groups,
                                                     : pack(kind, x.data_ptr<c10::BFloat16>(), groups, blocks, A);
   if (!packed) return false;
   if (y.scalar_type() == at::kFloat) {
-    run(kind, A, groups, y.data_ptr<float>());
+    gemm_items(kind, A, groups, y.data_ptr<float>());
   } else {
-    run(kind, A, groups, y.data_ptr<c10::BFloat16>());
+    gemm_items(kind, A, groups, y.data_ptr<c10::BFloat16>());
   }
   return true;
 }
