@@ -3,9 +3,10 @@
 Every row writes the same cache column at a step (the clock), as a batch of `generate` does; a row's sequence
 begins at its own column (`pad`, the left padding of `moe.generation`), so positions, masks and RoPE are the ones a
 request gets alone. A sequence that joins is prefilled on its own into fresh rows that end at the clock (the clock
-moves on when its prompt is longer than the clock), then its rows are appended; one that leaves has its rows
-dropped. When the clock reaches the end of the cache, every row moves left by the earliest row's start: relative
-positions, and so the keys already rotated, stay valid. No sequence is ever recomputed.
+moves on when its prompt is longer than the clock), then its rows are copied in after the running ones'; one that
+leaves has the rows after its own moved up (`moe.serve.slots`: the rows are kept in place). When the clock reaches
+the end of the cache, every row moves left by the earliest row's start: relative positions, and so the keys already
+rotated, stay valid. No sequence is ever recomputed.
 
 Where blocks replicate attention over N ranks, each rank attends its own sequences and caches only their rows: a
 sequence gets a home rank when it joins (the least loaded) and stays there until it leaves (`moe.engine.rows`),
@@ -25,6 +26,7 @@ from moe.engine.rows import least_loaded
 from moe.generation import SamplingParams, left_pad
 from moe.generation.sampler import Sampler
 from moe.generation.structured import Grammars, end_ids, grammars_for, move
+from moe.serve.slots import Slots
 from moe.tokenizer import tokenizer_of
 
 
@@ -66,6 +68,7 @@ class RunningBatch:
         self.split = engine.split_caches() if hasattr(engine, "split_caches") else set()
         self.ranks = engine.dist.world_size if self.split else 1
         self.homes: list[int] = []
+        self.slots = Slots()  # the caches' rows, kept in place: the running rows are their first rows
         self.engine.caches, self.engine.padding = {}, None
         self.engine.exact_caches = True  # caches of this length, whatever a compiled step's rounding (moe.engine.local)
 
@@ -76,16 +79,13 @@ class RunningBatch:
         keep = [i for i, row in enumerate(self.rows) if row.request not in requests]
         if len(keep) == len(self.rows):
             return
-        index = local = torch.tensor(keep, dtype=torch.long, device=self.engine.device)
+        local = keep
         if self.split:  # a split cache's rows: this rank's sequences, in batch order
             mine = [g for g, h in enumerate(self.homes) if h == self.engine.dist.rank]
             kept = set(keep)
-            local = torch.tensor([j for j, g in enumerate(mine) if g in kept], dtype=torch.long,
-                                 device=self.engine.device)
-        if keep:
-            self._recache(lambda name, c: _rows(c, local if name in self.split else index))
-        else:
-            self.engine.caches = {}
+            local = [j for j, g in enumerate(mine) if g in kept]
+        self.engine.caches = self.slots.keep({name: local if name in self.split else keep
+                                              for name in self.engine.caches}, self.clock) if keep else {}
         self.rows, self.pad = [self.rows[i] for i in keep], [self.pad[i] for i in keep]
         self._keep_homes([self.homes[i] for i in keep] if self.split else [])
         self.sampler = self.last_B = None
@@ -106,10 +106,7 @@ class RunningBatch:
             self.engine.start(len(rows), self.length, torch.tensor(pads))
             logits = self.engine.forward_last(tokens, self.clock - longest)
             joined = self.engine.caches
-        if self.engine.caches:
-            self._recache(lambda name, c: _cat(c, joined.pop(name)))
-        else:
-            self.engine.caches = joined
+        self.engine.caches = self.slots.append(self.engine.caches, joined, self.clock)
         self.rows, self.pad, self.sampler, self.last_B = self.rows + rows, self.pad + pads, None, None
         self._keep_homes(self.homes + homes)
         self._set_padding()
@@ -153,10 +150,7 @@ class RunningBatch:
             self._shift(length - self.clock)
         by = self.clock - length
         _move_columns(p.caches, by, self.length)
-        if self.rows:
-            self._recache(lambda name, c: _cat(c, p.caches.pop(name)))
-        else:
-            self.engine.caches = p.caches
+        self.engine.caches = self.slots.append(self.engine.caches, p.caches, self.clock)
         self.rows, self.pad, self.sampler, self.last_B = self.rows + [p.row], self.pad + [by], None, None
         self._keep_homes(self.homes + [p.home])
         self._set_padding()
@@ -238,13 +232,6 @@ class RunningBatch:
             self.homes = homes
             self.engine.set_homes(homes)
 
-    def _recache(self, change) -> None:
-        """Each block's cache replaced by `change(name, cache)` in turn, the old one let go before the next is made
-        (the engine first lets go of the old caches): a join or a leave holds one block's rows twice at most, where
-        a second copy of every block's was twice the KV memory at each join."""
-        old, self.engine.caches = self.engine.caches, {}
-        self.engine.caches = {name: change(name, old.pop(name)) for name in list(old)}
-
     def _set_padding(self) -> None:
         self.engine.padding = Padding.of(torch.tensor(self.pad, dtype=torch.long), self.engine.device)
 
@@ -257,14 +244,3 @@ def _move_columns(caches: dict[str, KVCache], by: int, length: int) -> None:
         for t in (cache.k, cache.v):
             t[:, :, max(0, by):length - max(0, -by)] = t[:, :, max(0, -by):length - max(0, by)].clone()
 
-
-def _rows(cache: KVCache, index: torch.Tensor) -> KVCache:
-    out = KVCache.__new__(KVCache)
-    out.k, out.v = cache.k.index_select(0, index), cache.v.index_select(0, index)
-    return out
-
-
-def _cat(a: KVCache, b: KVCache) -> KVCache:
-    out = KVCache.__new__(KVCache)
-    out.k, out.v = torch.cat([a.k, b.k]), torch.cat([a.v, b.v])
-    return out
