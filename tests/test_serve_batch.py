@@ -83,7 +83,7 @@ def assert_solo_tokens(model, slots: int, length: int, chunk: int) -> None:
     events: dict[int, list] = {i: [] for i in range(len(ids))}
     requests = [Request(p, q, events[i].append) for i, (p, q) in enumerate(zip(ids, params, strict=True))]
     scheduler = Arrivals(model, requests, at=[0, 0, 3, 5, 9], slots=slots)
-    EngineLoop(model.engine, None, length, scheduler, chunk).run()
+    EngineLoop(model.engine, None, length, slots, scheduler, chunk).run()
     for i, w in enumerate(want):
         end = events[i][-1]
         assert end[0] == "end" and end[1].tokens == w.token_ids, i
@@ -161,7 +161,7 @@ def test_joins_and_leaves_keep_the_running_rows_in_place(model):
 
     from moe.serve.batch import Row, RunningBatch
 
-    rows = RunningBatch(model.engine, 64)
+    rows = RunningBatch(model.engine, 64, seqs=3)
     params = SamplingParams(max_new_tokens=4)
     try:
         with torch.inference_mode():

@@ -54,7 +54,8 @@ class Prefill:
 
 
 class RunningBatch:
-    def __init__(self, engine, length: int, eos: tuple[int, ...] = ()) -> None:
+    def __init__(self, engine, length: int, seqs: int, eos: tuple[int, ...] = ()) -> None:
+        """`seqs`: the most sequences that run at once (the rows of the caches' store)."""
         self.engine, self.length, self.eos = engine, length, eos
         self.rows: list[Row] = []
         self.prefills: list[Prefill] = []
@@ -68,7 +69,7 @@ class RunningBatch:
         self.split = engine.split_caches() if hasattr(engine, "split_caches") else set()
         self.ranks = engine.dist.world_size if self.split else 1
         self.homes: list[int] = []
-        self.slots = Slots()  # the caches' rows, kept in place: the running rows are their first rows
+        self.slots = Slots(seqs)  # the caches' rows, kept in place: the running rows are their first rows
         self.engine.caches, self.engine.padding = {}, None
         self.engine.exact_caches = True  # caches of this length, whatever a compiled step's rounding (moe.engine.local)
 

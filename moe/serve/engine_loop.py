@@ -21,16 +21,17 @@ LOAD_EVERY_S = 2.0  # how often the live expert load is gathered for /metrics (o
 
 
 class EngineLoop:
-    def __init__(self, engine, dist, length: int, scheduler: Scheduler | None, chunk: int = 2048,
+    def __init__(self, engine, dist, length: int, seqs: int, scheduler: Scheduler | None, chunk: int = 2048,
                  eos: tuple[int, ...] = ()) -> None:
-        """`scheduler` on rank 0 only; `dist` None for one process; `chunk`: prompt tokens a step prefills of the
-        prompts longer than that (the same on every rank); `eos`: the model's end ids (held back by `min_tokens`).
+        """`seqs`: the most sequences running at once; `scheduler` on rank 0 only; `dist` None for one process;
+        `chunk`: prompt tokens a step prefills of the prompts longer than that (the same on every rank); `eos`: the
+        model's end ids (held back by `min_tokens`).
         Where the RoPE angles depend on a call's length (dynamic NTK, longrope) a prompt is prefilled in one call, as
         `generate` does, or its first chunks' keys would turn at other angles than its answer alone has."""
         if engine.model.cfg.rope_scaling.by_length:
             chunk = length
         self.engine, self.dist, self.scheduler, self.chunk = engine, dist, scheduler, chunk
-        self.batch = RunningBatch(engine, length, eos)
+        self.batch = RunningBatch(engine, length, seqs, eos)
         self.distributed = dist is not None and dist.world_size > 1
         self.loads_at = -math.inf  # the first plan gathers the expert load: /metrics has it from the first request on
 

@@ -99,7 +99,8 @@ def serve(options: ServeOptions) -> int:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         dist = getattr(model.engine, "dist", None)
         try:
-            EngineLoop(model.engine, dist, length, scheduler, options.token_budget, model.eos_ids).run()
+            EngineLoop(model.engine, dist, length, options.max_num_seqs, scheduler, options.token_budget,
+                       model.eos_ids).run()
         except BaseException as e:
             state.dead = f"a rank failed: {first_line(e) or type(e).__name__}"
             if scheduler is not None:

@@ -1,6 +1,7 @@
 """The server's KV-cache rows, kept in place: each block's keys and values of the running sequences are the first
-rows of tensors made once (grown by doubling when more sequences run than ever before), so a sequence that joins
-copies its own rows in, and one that leaves has only the rows after it moved up, each only in the columns in use.
+rows of tensors made once, for the server's most sequences (`--max-num-seqs`, the rows checked to fit at start), so
+a sequence that joins copies its own rows in, and one that leaves has only the rows after it moved up, each only in
+the columns in use.
 
 Concatenating the batch's caches at every join and selecting rows at every leave copied every running row's whole
 cache into fresh memory: at 8 sequences of 4096 positions (`small`, bf16) a join took 130 ms beyond its prefill and
@@ -17,8 +18,9 @@ from models.kv_cache import KVCache
 
 
 class Slots:
-    def __init__(self) -> None:
-        self.store: dict[str, KVCache] = {}  # per block: rows for the most sequences held so far
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity  # rows of each block's store: the most sequences a rank holds
+        self.store: dict[str, KVCache] = {}  # per block, made at its first rows
 
     def append(self, caches: dict[str, KVCache], new: dict[str, KVCache], used: int) -> dict[str, KVCache]:
         """`caches` (the store's first rows, or none) with `new`'s rows after them, their columns [0, used) copied;
@@ -27,7 +29,9 @@ class Slots:
         for name, rows in new.items():
             held = caches[name].k.shape[0] if name in caches else 0
             n = rows.k.shape[0]
-            store = self._room(name, rows, held + n, held)
+            if held + n > self.capacity:
+                raise RuntimeError(f"{held + n} sequences' cache rows asked of a store of {self.capacity}")
+            store = self.store.get(name) or self._made(name, rows)
             for kept, given in ((store.k, rows.k), (store.v, rows.v)):
                 kept[held:held + n, :, :used] = given[:, :, :used]
             out[name] = _first(store, held + n)
@@ -46,20 +50,13 @@ class Slots:
             out[name] = _first(store, len(rows))
         return out
 
-    def _room(self, name: str, like: KVCache, need: int, held: int) -> KVCache:
-        """The block's store with at least `need` rows; a larger one takes the `held` rows' whole caches along."""
-        store = self.store.get(name)
-        if store is not None and store.k.shape[0] >= need:
-            return store
-        rows = max(need, 2 * store.k.shape[0]) if store is not None else need
-        grown = KVCache.__new__(KVCache)
-        grown.k = torch.zeros((rows, *like.k.shape[1:]), dtype=like.k.dtype, device=like.k.device)
-        grown.v = torch.zeros((rows, *like.v.shape[1:]), dtype=like.v.dtype, device=like.v.device)
-        if store is not None:
-            grown.k[:held], grown.v[:held] = store.k[:held], store.v[:held]
-        self.store[name] = grown
-        return grown
-
+    def _made(self, name: str, like: KVCache) -> KVCache:
+        """The block's store: `capacity` rows shaped as `like`'s."""
+        store = KVCache.__new__(KVCache)
+        store.k = torch.zeros((self.capacity, *like.k.shape[1:]), dtype=like.k.dtype, device=like.k.device)
+        store.v = torch.zeros((self.capacity, *like.v.shape[1:]), dtype=like.v.dtype, device=like.v.device)
+        self.store[name] = store
+        return store
 
 def _first(store: KVCache, n: int) -> KVCache:
     """The store's first `n` rows as a cache (a view: contiguous, as a cache of n rows made alone)."""
