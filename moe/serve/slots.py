@@ -58,6 +58,7 @@ class Slots:
         self.store[name] = store
         return store
 
+
 def _first(store: KVCache, n: int) -> KVCache:
     """The store's first `n` rows as a cache (a view: contiguous, as a cache of n rows made alone)."""
     out = KVCache.__new__(KVCache)
