@@ -28,6 +28,13 @@ class KVCache:
             return cls(batch, 1, length, cfg.kv_lora_rank, dtype, device, cfg.head_dim)
         return cls(batch, kv_heads or cfg.n_kv_heads, length, cfg.head_dim, dtype, device)
 
+    @classmethod
+    def holding(cls, k: torch.Tensor, v: torch.Tensor) -> KVCache:
+        """A cache over tensors that exist already (a view of a larger store, a compiled step's inputs)."""
+        cache = cls.__new__(cls)
+        cache.k, cache.v = k, v
+        return cache
+
     @staticmethod
     def bytes_per_token(cfg: ModelConfig, element: int, kv_heads: int | None = None) -> int:
         """What one token adds to one block's cache."""

@@ -130,10 +130,7 @@ class _Step(torch.nn.Module):
         self.slots, self.names = slots, names
 
     def forward(self, tokens_B1, slot, pad_B, kv: list[torch.Tensor], weights: list[torch.Tensor]):
-        caches = {}
-        for i, name in enumerate(self.names):
-            cache = caches[name] = KVCache.__new__(KVCache)
-            cache.k, cache.v = kv[2 * i], kv[2 * i + 1]
+        caches = {name: KVCache.holding(kv[2 * i], kv[2 * i + 1]) for i, name in enumerate(self.names)}
         with self.slots.swapped(weights):
             return self.model.decode_step(tokens_B1, slot, caches, pad_B)
 

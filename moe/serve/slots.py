@@ -12,8 +12,6 @@ it attends to it, and a left move already leaves such columns behind (`moe.serve
 
 from __future__ import annotations
 
-import torch
-
 from models.kv_cache import KVCache
 
 
@@ -52,15 +50,12 @@ class Slots:
 
     def _made(self, name: str, like: KVCache) -> KVCache:
         """The block's store: `capacity` rows shaped as `like`'s."""
-        store = KVCache.__new__(KVCache)
-        store.k = torch.zeros((self.capacity, *like.k.shape[1:]), dtype=like.k.dtype, device=like.k.device)
-        store.v = torch.zeros((self.capacity, *like.v.shape[1:]), dtype=like.v.dtype, device=like.v.device)
-        self.store[name] = store
+        _, heads, length, head_dim = like.k.shape
+        store = self.store[name] = KVCache(self.capacity, heads, length, head_dim, like.k.dtype, like.k.device,
+                                           like.v.shape[3])
         return store
 
 
 def _first(store: KVCache, n: int) -> KVCache:
     """The store's first `n` rows as a cache (a view: contiguous, as a cache of n rows made alone)."""
-    out = KVCache.__new__(KVCache)
-    out.k, out.v = store.k[:n], store.v[:n]
-    return out
+    return KVCache.holding(store.k[:n], store.v[:n])
