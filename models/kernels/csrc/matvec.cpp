@@ -216,7 +216,7 @@ struct Group {
 // of a 2-core AMD EPYC Zen 5, the two alternated in one process); the loop between two groups of 4 rows is short.
 template <typename W, typename Rows, typename Out>
 void products(const Rows& x, const W* w, const float* scale, const std::vector<Group>& groups, int64_t out_features,
-         int64_t in_features, Out* y) {
+              int64_t in_features, Out* y) {
   const int64_t work = out_features * static_cast<int64_t>(groups.size());
   at::parallel_for(0, work, 64, [&](int64_t begin, int64_t end) {
     moe_cpu::DenormalMode<std::is_same_v<W, c10::BFloat16>> mode;  // bf16 weights: as the bf16 instruction computes
