@@ -45,7 +45,7 @@ def check_compiled_against_eager(one: MoEModel, layout: dict) -> None:
 
 def test_a_pipeline_of_whole_blocks_compiled_gives_the_one_rank_tokens():
     """Each rank's range of blocks compiled (the first from the tokens, a middle one, the last to the logits),
-    batches too. Two ranks: tests/test_serve_compiled.py, tests/test_placement_class.py."""
+    batches too. Two ranks: tests/test_serve_compiled.py."""
     check_compiled_against_eager(MoEModel.from_pretrained(TRAINED), dict(gpus=3, experts="layer"))
 
 
