@@ -24,7 +24,7 @@ from moe.bench.llama_cpp import combine
 from moe.bench.peer_turns import PRODUCTS, besides_products, decode_in_turns, print_decode_in_turns, ratios
 from moe.bench.step_parts import compiled_step_parts, print_compiled_step_parts
 from moe.cli.bench import print_comparisons, print_products
-from tests.checkpoints import ROOT, SHIPPED
+from tests.checkpoints import ROOT, SHIPPED, TRAINED
 
 
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
@@ -67,11 +67,11 @@ def test_layouts_measured_in_turns_give_step_times_and_the_one_rank_tokens():
     # another 2-rank layout added 40-50 s to a CI run)
     layouts = ("replicated/tensor", "replicated/tensor, compiled")
     assert set(layouts) < set(LAYOUTS)
-    steps, differ = decode_steps_in_turns(str(SHIPPED), "float32", 2, 2, rounds=2, new_tokens=4, layouts=layouts)
+    steps, differ = decode_steps_in_turns(str(TRAINED), "float32", 2, 2, rounds=2, new_tokens=4, layouts=layouts)
     assert set(steps) == {*REFERENCES, ONE_CORE, *layouts} and all(0 < s < 1 for s in steps.values())
     assert torch.get_num_threads() == threads  # the 1-core model's turns set this process's threads, then restore
     assert differ == []  # fp32: every layout gives its 1-rank reference's tokens
-    assert memory_short(str(SHIPPED)) is None  # a few MB
+    assert memory_short(str(TRAINED)) is None  # a few MB
 
 
 def test_torch_threads_are_set_inside_and_restored_after_an_error():
@@ -112,7 +112,7 @@ def test_steps_in_turns_are_printed_against_the_one_rank_step_of_their_mode(caps
 
 @pytest.mark.multiprocess
 def test_a_compiled_two_rank_step_is_told_apart_into_its_sums_broadcast_and_computing(capsys):
-    parts = compiled_step_parts(str(SHIPPED), "float32", 2)
+    parts = compiled_step_parts(str(TRAINED), "float32", 2)
     for p in parts:
         assert 0 < p["sums"] < p["step"] < 1 and 0 < p["broadcast"] < p["step"]
         assert 0 < p["sum_median"] <= p["sum_p90"] <= p["sum_max"] < 5
