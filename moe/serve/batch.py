@@ -150,7 +150,7 @@ class RunningBatch:
         if length > self.clock:
             self._shift(length - self.clock)
         by = self.clock - length
-        _move_columns(p.caches, by, self.length)
+        _move_columns(p.caches, by, length, self.length)
         self.engine.caches = self.slots.append(self.engine.caches, p.caches, self.clock)
         self.rows, self.pad, self.sampler, self.last_B = self.rows + [p.row], self.pad + [by], None, None
         self._keep_homes(self.homes + [p.home])
@@ -203,7 +203,7 @@ class RunningBatch:
     def _shift(self, by: int) -> None:
         """Move every row's columns by `by` (right > 0, left < 0); the clock with them."""
         if self.rows and by:
-            _move_columns(self.engine.caches, by, self.length)
+            _move_columns(self.engine.caches, by, self.clock, self.length)
             self.pad = [p + by for p in self.pad]
         self.clock += by
         self._set_padding()
@@ -237,11 +237,13 @@ class RunningBatch:
         self.engine.padding = Padding.of(torch.tensor(self.pad, dtype=torch.long), self.engine.device)
 
 
-def _move_columns(caches: dict[str, KVCache], by: int, length: int) -> None:
-    """Every cache's columns moved by `by` (right > 0, left < 0) within its `length`."""
+def _move_columns(caches: dict[str, KVCache], by: int, used: int, length: int) -> None:
+    """Every cache's columns in use, [0, used), moved by `by` (right > 0, left < 0) within its `length`; the columns
+    past them hold nothing a step reads, so they are not copied (a join of a longer prompt moved all 4096 before)."""
     if not by:
         return
+    first, end = max(0, -by), min(used, length - max(0, by))
     for cache in caches.values():
         for t in (cache.k, cache.v):
-            t[:, :, max(0, by):length - max(0, -by)] = t[:, :, max(0, -by):length - max(0, by)].clone()
+            t[:, :, first + by:end + by] = t[:, :, first:end].clone()
 
