@@ -239,7 +239,7 @@ class RunningBatch:
 
 def _move_columns(caches: dict[str, KVCache], by: int, used: int, length: int) -> None:
     """Every cache's columns in use, [0, used), moved by `by` (right > 0, left < 0) within its `length`; the columns
-    past them hold nothing a step reads, so they are not copied (a join of a longer prompt moved all 4096 before)."""
+    past them hold nothing a step reads, so they are not copied (a join of a longer prompt moved all `length`)."""
     if not by:
         return
     first, end = max(0, -by), min(used, length - max(0, by))
