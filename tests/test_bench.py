@@ -62,9 +62,10 @@ def test_two_rank_steps_are_set_against_the_one_rank_step(capsys):
 @pytest.mark.multiprocess
 def test_layouts_measured_in_turns_give_step_times_and_the_one_rank_tokens():
     threads = torch.get_num_threads()
-    # One eager and one compiled layout of LAYOUTS (each is checked against one rank in tests of its own); the
-    # compiled one is the step-parts test's layout, whose graphs inductor's cache then holds (a cold compile of
-    # another 2-rank layout added 40-50 s to a CI run)
+    # One eager and one compiled layout of LAYOUTS (each is checked against one rank in tests of its own). The
+    # compiled one, on the trained checkpoint, is the step-parts test's layout and test_compiled_ranks' [tensor]
+    # case: inductor's cache holds their graphs after the first (each cold compile of another graph cost a CI run
+    # 25-50 s)
     layouts = ("replicated/tensor", "replicated/tensor, compiled")
     assert set(layouts) < set(LAYOUTS)
     steps, differ = decode_steps_in_turns(str(TRAINED), "float32", 2, 2, rounds=2, new_tokens=4, layouts=layouts)
