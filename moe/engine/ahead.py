@@ -176,7 +176,7 @@ def build_package(model: Transformer, batch: int, length: int, path: Path, note=
     from torch._inductor import aoti_compile_and_package
 
     note(f"compiling the decode step ahead of time for batch {batch} and {length} cache slots, once: about half a "
-         f"minute on a 2-core CPU; kept in {path.parent} ($MOE_STEP_CACHE)")
+         f"minute on a 2-core CPU (a minute the first time on a machine); kept in {path.parent} ($MOE_STEP_CACHE)")
     started = time.perf_counter()
     bar = Progress("compiling the decode step", unit="phase", enabled=progress).start(2)
     try:
