@@ -108,6 +108,8 @@ class Exchanged(Dispatched):
     sent_R: list[int]  # rows this rank sent to each rank (and gets back from it)
     received_R: list[int]  # rows this rank received from each rank (and returns to it)
     by_slot_M: torch.Tensor  # permutation from arrival order (source, slot) to expert order (slot, source)
+    # more than 2 copies a token: the sent rows in the order of their experts' ids, in which one rank adds them
+    by_expert_N: torch.Tensor | None = None
 
 
 class AllToAllDispatcher:
@@ -138,9 +140,16 @@ class AllToAllDispatcher:
         rows = exchange(x_TD[token_N], received_R, sent_R, self.dist)  # [received, D], by (source, slot)
         by_slot = chunk_order(recv_RM, sum(received_R))
         meta = Exchanged(token_N, weights_TK.reshape(-1)[order_N], x_TD.shape[0], sent_R, received_R, by_slot)
+        # one rank adds a token's copies in its experts' order; slots need not follow it (a placement's), and past
+        # two copies the order changes the sum (split experts' slices are partial sums anyway)
+        if ids_TK.shape[1] > 2 and not self.table.split:
+            meta.by_expert_N = torch.sort(ids_TK.reshape(-1)[order_N], stable=True).indices
         return rows[by_slot], per_expert, meta
 
     def combine(self, y_ND: torch.Tensor, meta: Exchanged) -> torch.Tensor:
         y_back = y_ND[torch.argsort(meta.by_slot_M)]  # back to (source, slot) order
         returned = exchange(y_back, meta.sent_R, meta.received_R, self.dist)  # [sent, D], in our send order
+        if meta.by_expert_N is not None:
+            at = meta.by_expert_N
+            return weighted_sum(returned[at], Dispatched(meta.token_N[at], meta.weight_N[at], meta.n_tokens))
         return weighted_sum(returned, meta)

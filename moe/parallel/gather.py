@@ -6,7 +6,10 @@ variable exchanges cost more than the rows they move. Here (the layout vLLM and 
 1. every rank packs its step rows (hidden state, router weights, the slot of each copy) into `most` rows,
    padding with copies for no slot, and one all-gather gives every rank every rank's rows;
 2. each rank runs the copies routed to its own slots, weights them, and sums them per token, all on device;
-3. one reduce-scatter sums the partial results over ranks and hands each rank back its own rows.
+3. one reduce-scatter sums the partial results over ranks and hands each rank back its own rows. With more than 2
+   copies a token the copies cross unsummed instead, each in its own place (K times the bytes), and each token's
+   owner adds them in its experts' order, as one rank does: a partial sum of two copies on one rank, added to a
+   third's from another, rounds differently (bf16 logits 0.03 apart).
 
 Where every rank already holds every row (replicated attention run redundantly for a batch smaller than the
 ranks: `StepRows.everywhere`), step 1 has nothing to move and step 3 is one sum over ranks, in rank order (the
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.mixture import Dispatched, group_by_expert, weighted_sum
+from models.mixture import Dispatched, group_by_expert, sum_in_expert_order, weighted_sum
 from moe.parallel.dispatch import AllToAllDispatcher, SlotTable
 from moe.parallel.distributed import DistContext
 
@@ -56,6 +59,10 @@ class Gathered(Dispatched):
 
     own_rows: int  # rows this rank brought; its results are rows rank*most .. rank*most+own_rows of the sum
     everywhere: bool = False  # every rank holds every row: the partial sums are summed, not scattered
+    # More than 2 copies a token: each copy's place (row x K + k) among the gathered rows' copies, and the experts of
+    # this rank's tokens (all rows where `everywhere`), whose order the sum of a token's copies follows
+    copy_N: torch.Tensor | None = None
+    ids_TK: torch.Tensor | None = None
 
 
 class ExchangeDispatcher(AllToAllDispatcher):
@@ -68,16 +75,16 @@ class ExchangeDispatcher(AllToAllDispatcher):
     def dispatch(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor):
         if self.step.everywhere:  # every rank routed the same rows alike: nothing to move
             weights_TK, slot_TK = self.table.route(weights_TK, ids_TK)
-            return self._mine(x_TD, weights_TK, slot_TK, x_TD.shape[0], everywhere=True)
+            return self._mine(x_TD, weights_TK, slot_TK, x_TD.shape[0], ids_TK, everywhere=True)
         if not self.step.gather:
             return super().dispatch(x_TD, weights_TK, ids_TK)
         weights_TK, slot_TK = self.table.route(weights_TK, ids_TK)
         K, D = slot_TK.shape[1], x_TD.shape[1]
         packed = self.dist.all_gather(pack(x_TD, weights_TK, slot_TK, self.step.most))
-        return self._mine(*unpack(packed, D, K, x_TD.dtype), own_rows=x_TD.shape[0])
+        return self._mine(*unpack(packed, D, K, x_TD.dtype), own_rows=x_TD.shape[0], ids_TK=ids_TK)
 
     def _mine(self, x_RD: torch.Tensor, w_RK: torch.Tensor, slot_RK: torch.Tensor, own_rows: int,
-              everywhere: bool = False):
+              ids_TK: torch.Tensor, everywhere: bool = False):
         """The copies among these rows for this rank's slots, grouped by local slot; every other copy gets slot M,
         sorts last, and weighs nothing."""
         M = self.table.slots_per_rank
@@ -86,17 +93,35 @@ class ExchangeDispatcher(AllToAllDispatcher):
         g = group_by_expert(local_RK, M + 1)
         counts = g.counts_E[:self.n_local]
         weight_N = torch.where(mine.reshape(-1), w_RK.reshape(-1), 0.0)[g.order_N]
-        meta = Gathered(g.token_N, weight_N, x_RD.shape[0], own_rows=own_rows, everywhere=everywhere)
+        # 0 + a + b is one sum in any order, a third copy's is not; split experts' slices are partial sums anyway
+        exact = ids_TK.shape[1] > 2 and not self.table.split
+        meta = Gathered(g.token_N, weight_N, x_RD.shape[0], own_rows=own_rows, everywhere=everywhere,
+                        copy_N=g.order_N if exact else None, ids_TK=ids_TK if exact else None)
         return x_RD[g.token_N], counts, meta
 
     def combine(self, y_ND: torch.Tensor, meta: Dispatched) -> torch.Tensor:
         if not isinstance(meta, Gathered):
             return super().combine(y_ND, meta)
+        if meta.copy_N is not None:
+            return self._combine_copies(y_ND, meta)
         n = y_ND.shape[0]  # the experts return only the rows for this rank's slots, which come first
         partial = weighted_sum(y_ND, Dispatched(meta.token_N[:n], meta.weight_N[:n], meta.n_tokens))
         if meta.everywhere:
             return self.dist.sum_in_rank_order(partial)
         return self.dist.reduce_scatter(partial)[:meta.own_rows]
+
+    def _combine_copies(self, y_ND: torch.Tensor, meta: Gathered) -> torch.Tensor:
+        """Each weighted copy crosses the ranks unsummed, in its own place (the sum over ranks adds only zeros to
+        it, so it is exact), and each token's owner adds its copies in one rank's order: one rank's bits, for K
+        times the bytes of partial sums."""
+        n, (K, D) = y_ND.shape[0], (meta.ids_TK.shape[1], y_ND.shape[1])
+        copies = y_ND.new_zeros(meta.n_tokens * K, D)
+        copies[meta.copy_N[:n]] = (y_ND * meta.weight_N[:n, None]).to(y_ND.dtype)  # as `weighted_sum` weighs
+        if meta.everywhere:
+            summed = self.dist.sum_in_rank_order(copies).view(meta.n_tokens, K, D)
+        else:
+            summed = self.dist.reduce_scatter(copies.view(meta.n_tokens, K * D))[:meta.own_rows].view(-1, K, D)
+        return sum_in_expert_order(summed, meta.ids_TK)
 
 
 def pack(x_TD: torch.Tensor, weights_TK: torch.Tensor, slot_TK: torch.Tensor, most: int) -> torch.Tensor:
