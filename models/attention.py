@@ -1,5 +1,4 @@
-"""Pre-norm attention pieces: RMSNorm, rotary embeddings (half-split layout), grouped-query attention
-with a preallocated KV cache.
+"""Grouped-query attention with a preallocated KV cache (its rotary tables: `models.rope`).
 
 Shapes: B batch, S new positions, L cache length, H query heads, G kv heads, Dh head dim, D model dim.
 The KV cache is indexed by *slot*; a sequence's rotary position is its slot minus its left padding,
@@ -28,65 +27,8 @@ from models.kernels import decode_block, native
 from models.kernels.choice import KernelChoice
 from models.kv_cache import KVCache
 from models.norms import RMSNorm
-from models.rope import frequencies_for_length, inverse_frequencies
+from models.rope import RotaryTable, apply_rotary
 from models.sinks import sink_attention
-
-
-def rotary_tables(positions_BS: torch.Tensor, inv_freq: torch.Tensor, attention: float, dtype: torch.dtype):
-    """cos/sin tables [B, 1, S, Dh], computed in fp32 (scaled by `attention`, yarn's and longrope's factor) and
-    cast like the reference."""
-    freqs = positions_BS[..., None].float() * inv_freq  # [B, S, Dh/2]
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, Dh]
-    cos, sin = emb.cos(), emb.sin()
-    if attention != 1.0:
-        cos, sin = cos * attention, sin * attention
-    return cos.to(dtype), sin.to(dtype)
-
-
-TABLE_STEP = 4096  # positions the table grows by: never every position of a 1M-token context at load
-
-
-class RotaryTable:
-    """cos/sin of the positions the model has met, [n, Dh] each, computed by `rotary_tables` and indexed per call
-    (the same bits: every element goes through the same vectorized kernels either way). A compiled decode step then
-    reads two rows where it computed a power, a cosine and a sine for every element of q and k in every block (60
-    us of a 2.5 ms int8 step). Built at first use on the model's device and dtype, and grown in steps of
-    `TABLE_STEP` positions as calls need them. Scalings whose angles depend on a call's length (dynamic NTK,
-    longrope) are computed per call instead (`models.rope`)."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        self.cfg = cfg
-        self.original = cfg.max_position_embeddings or cfg.max_seq_len
-        # the length-dependent kinds' cos/sin factor (longrope's), fixed by the config: computed once, not per call
-        self.length_factor = inverse_frequencies(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling, cfg.max_seq_len)[1] \
-            if cfg.rope_scaling.by_length else 1.0
-        self.cos: torch.Tensor | None = None  # [n, Dh]
-        self.sin: torch.Tensor | None = None
-
-    def __call__(self, positions_BS: torch.Tensor, dtype: torch.dtype,
-                 length: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [B, 1, S, Dh] of these positions (each row's increasing), in a call whose longest sequence has
-        `length` positions (an int, or a tensor on the device in a static-shape decode step; every position is
-        below it). The length-dependent kinds take each sequence's own length, its last position + 1, so that a
-        sequence's angles never depend on the others of its batch (transformers takes the batch's longest)."""
-        cfg, scaling, device = self.cfg, self.cfg.rope_scaling, positions_BS.device
-        if scaling.by_length:
-            own = positions_BS[:, -1:] + 1  # [B, 1]
-            inv = frequencies_for_length(cfg.rope_theta, cfg.head_dim, scaling, self.original, own, device)
-            return rotary_tables(positions_BS, inv[:, None], self.length_factor, dtype)
-        need = length if isinstance(length, int) else cfg.max_seq_len
-        if self.cos is None or self.cos.device != device or self.cos.dtype != dtype or self.cos.shape[0] < need:
-            n = min(cfg.max_seq_len, -(-max(need, 1) // TABLE_STEP) * TABLE_STEP)
-            inv, attention = inverse_frequencies(cfg.rope_theta, cfg.head_dim, scaling, cfg.max_seq_len, device)
-            cos, sin = rotary_tables(torch.arange(n, device=device)[None], inv, attention, dtype)
-            self.cos, self.sin = cos[0, 0], sin[0, 0]
-        return self.cos[positions_BS][:, None], self.sin[positions_BS][:, None]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 @dataclass(frozen=True)
@@ -119,6 +61,9 @@ class AttentionContext:
     mask: torch.Tensor | None  # [B, 1, S, start+S] bool, True = may attend; None: see is_causal
     is_causal: bool = False  # with mask None: causal (a prompt from slot 0) or, if False, every key visible
     slot: torch.Tensor | None = None  # [1] long on the device: a one-token step of static shape (`at_slot`)
+    # a left-padded batch's prompts from slot 0 (no window cut): each sequence's padding, on the host, so that each
+    # attends its own tokens as it would alone (`attend_alone`)
+    pads: tuple[int, ...] | None = None
 
     @property
     def decoding(self) -> bool:
@@ -141,7 +86,8 @@ class AttentionContext:
         """The context of some sequences of the batch (a rank's rows of it): a slice, or indices on the device."""
         mask = self.mask[index] if self.mask is not None and self.mask.shape[0] > 1 else self.mask
         full = self.full.rows(index) if self.full is not None else None
-        return dataclasses.replace(self, cos=self.cos[index], sin=self.sin[index], mask=mask, full=full)
+        pads = self.pads[index] if self.pads is not None and isinstance(index, slice) else None  # no device read
+        return dataclasses.replace(self, cos=self.cos[index], sin=self.sin[index], mask=mask, full=full, pads=pads)
 
     @classmethod
     def build(cls, cfg: ModelConfig, rotary: RotaryTable, batch: int, seq: int, start: int, padding: Padding | None,
@@ -151,14 +97,15 @@ class AttentionContext:
         positions = (q_slot[None, :] - pad[:, None]).clamp(min=0) if pad is not None else \
             q_slot[None, :].expand(batch, -1)
         cos, sin = rotary(positions, dtype, start + seq)
-        ctx = cls._masked(cfg.sliding_window, start, seq, pad, cos, sin)
+        pads = tuple(padding.host_B.tolist()) if padding is not None and start == 0 else None
+        ctx = cls._masked(cfg.sliding_window, start, seq, pad, cos, sin, pads)
         if cfg.full_layers and cfg.sliding_window is not None:
-            ctx.full = cls._masked(None, start, seq, pad, cos, sin)
+            ctx.full = cls._masked(None, start, seq, pad, cos, sin, pads)
         return ctx
 
     @classmethod
     def _masked(cls, window: int | None, start: int, seq: int, pad: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor) -> AttentionContext:
+                sin: torch.Tensor, pads: tuple[int, ...] | None = None) -> AttentionContext:
         """The context of blocks that slide `window` (None: attend to every earlier position)."""
         window_cuts = window is not None and start + seq > window
         if pad is None and not window_cuts and (start == 0 or seq == 1):
@@ -175,7 +122,7 @@ class AttentionContext:
             real_key = k_slot[None, :] >= pad[:, None]  # [B, L]
             diagonal = k_slot[None, :] == q_slot[:, None]  # [S, L]
             mask = causal[None] & (real_key[:, None, :] | diagonal[None])  # [B, S, L]
-        return cls(start=start, cos=cos, sin=sin, mask=mask[:, None])
+        return cls(start=start, cos=cos, sin=sin, mask=mask[:, None], pads=None if window_cuts else pads)
 
     @classmethod
     def at_slot(cls, cfg: ModelConfig, rotary: RotaryTable, batch: int, slot: torch.Tensor, length: int,
@@ -333,13 +280,33 @@ class Attention(nn.Module):
             # CPU has bf16 instructions, torch's bf16 SDPA calls MKL's generic bf16 product on an AMD CPU: 15% of
             # a compiled bf16 step of `small` (2 threads, an EPYC with AVX-512 bf16), so bf16 decodes with it too.
             out = native.decode_attention(q, k, v, ctx.mask).to(x_BSD.dtype)  # in fp32, k and v as they are
+        elif ctx.pads is not None and self.choice is not None and self.choice.native:  # prompts padded to a batch
+            out = self.attend_alone(q, k, v, ctx.pads)
         elif path == kc.NATIVE_PROMPT_ATTENTION:  # a prompt from slot 0, no padding: k and v are its own
             # 1.1-1.4 ms against SDPA's 3.4-3.8 ms a block for a 512-token prompt of `small` (2 threads, an AVX-512
             # EPYC; torch's flash attention runs MKL's generic products there).
             out = native.prompt_attention(q, k, v)  # in fp32
         else:
-            if path == kc.SDPA_FP32:  # bf16 on a CPU without bf16 instructions (`KernelChoice.attends_fp32`)
-                q, k, v = q.float(), k.float(), v.float()
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, is_causal=ctx.is_causal,
-                                                 enable_gqa=self.n_heads != self.n_kv_heads).to(x_BSD.dtype)
+            out = self.sdpa(q, k, v, path, ctx.mask, ctx.is_causal)
         return self.wo(out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
+
+    def sdpa(self, q, k, v, path: str, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        if path == kc.SDPA_FP32:  # bf16 on a CPU without bf16 instructions (`KernelChoice.attends_fp32`)
+            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal,
+                                                  enable_gqa=self.n_heads != self.n_kv_heads).to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              enable_gqa=self.n_heads != self.n_kv_heads)
+
+    def attend_alone(self, q_BHSD, k_BGSD, v_BGSD, pads: tuple[int, ...]) -> torch.Tensor:
+        """Left-padded prompts from slot 0, each over its own tokens by the path it takes alone, so a prompt's
+        attention is the same bits whatever it is batched with (the padded batch's masked SDPA gave other bits than
+        the native kernel in bf16: a request's answer depended on its neighbours). Padding queries get zeros."""
+        B, H, S, D = q_BHSD.shape
+        out = q_BHSD.new_zeros(B, S, H, D)
+        for b, pad in enumerate(pads):
+            q, k, v = q_BHSD[b:b + 1, :, pad:], k_BGSD[b:b + 1, :, pad:], v_BGSD[b:b + 1, :, pad:]
+            path = self.choice.attention(False, S - pad > 1, self.head_dim)
+            one = native.prompt_attention(q, k, v) if path == kc.NATIVE_PROMPT_ATTENTION else \
+                self.sdpa(q, k, v, path, None, S - pad > 1)
+            out[b, pad:] = one[0].transpose(0, 1)
+        return out.transpose(1, 2)

@@ -18,12 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.attention import AttentionContext, apply_rotary
+from models.attention import AttentionContext
 from models.basic import Linear
 from models.config import ModelConfig
 from models.kernels.choice import KernelChoice
 from models.kv_cache import KVCache
 from models.norms import RMSNorm
+from models.rope import apply_rotary
 
 
 class LatentAttention(nn.Module):

@@ -1,4 +1,5 @@
-"""Rotary embeddings and their scaling kinds, as Hugging Face checkpoints describe them.
+"""Rotary embeddings (half-split layout, tables grown as calls need them) and their scaling kinds, as Hugging Face
+checkpoints describe them.
 
 A config says how positions turn into angles: `rope_theta` and, for longer contexts, a scaling kind read from
 either spelling real files use (`rope_parameters` as transformers 5 writes it, or `rope_theta` + `rope_scaling`
@@ -21,9 +22,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # config.py reads the scalings from here
+    from models.config import ModelConfig
 
 KINDS = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
@@ -202,3 +206,60 @@ def frequencies_for_length(theta: float, head_dim: int, scaling: RopeScaling, ma
         return 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim))
     long, short = (_longrope(theta, head_dim, f, device) for f in (scaling.long_factor, scaling.short_factor))
     return torch.where(length > scaling.original_max, long, short)
+
+
+def rotary_tables(positions_BS: torch.Tensor, inv_freq: torch.Tensor, attention: float, dtype: torch.dtype):
+    """cos/sin tables [B, 1, S, Dh], computed in fp32 (scaled by `attention`, yarn's and longrope's factor) and
+    cast like the reference."""
+    freqs = positions_BS[..., None].float() * inv_freq  # [B, S, Dh/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, Dh]
+    cos, sin = emb.cos(), emb.sin()
+    if attention != 1.0:
+        cos, sin = cos * attention, sin * attention
+    return cos.to(dtype), sin.to(dtype)
+
+
+TABLE_STEP = 4096  # positions the table grows by: never every position of a 1M-token context at load
+
+
+class RotaryTable:
+    """cos/sin of the positions the model has met, [n, Dh] each, computed by `rotary_tables` and indexed per call
+    (the same bits: every element goes through the same vectorized kernels either way). A compiled decode step then
+    reads two rows where it computed a power, a cosine and a sine for every element of q and k in every block (60
+    us of a 2.5 ms int8 step). Built at first use on the model's device and dtype, and grown in steps of
+    `TABLE_STEP` positions as calls need them. Scalings whose angles depend on a call's length (dynamic NTK,
+    longrope) are computed per call instead (`models.rope`)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+        self.original = cfg.max_position_embeddings or cfg.max_seq_len
+        # the length-dependent kinds' cos/sin factor (longrope's), fixed by the config: computed once, not per call
+        self.length_factor = inverse_frequencies(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling, cfg.max_seq_len)[1] \
+            if cfg.rope_scaling.by_length else 1.0
+        self.cos: torch.Tensor | None = None  # [n, Dh]
+        self.sin: torch.Tensor | None = None
+
+    def __call__(self, positions_BS: torch.Tensor, dtype: torch.dtype,
+                 length: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B, 1, S, Dh] of these positions (each row's increasing), in a call whose longest sequence has
+        `length` positions (an int, or a tensor on the device in a static-shape decode step; every position is
+        below it). The length-dependent kinds take each sequence's own length, its last position + 1, so that a
+        sequence's angles never depend on the others of its batch (transformers takes the batch's longest)."""
+        cfg, scaling, device = self.cfg, self.cfg.rope_scaling, positions_BS.device
+        if scaling.by_length:
+            own = positions_BS[:, -1:] + 1  # [B, 1]
+            inv = frequencies_for_length(cfg.rope_theta, cfg.head_dim, scaling, self.original, own, device)
+            return rotary_tables(positions_BS, inv[:, None], self.length_factor, dtype)
+        need = length if isinstance(length, int) else cfg.max_seq_len
+        if self.cos is None or self.cos.device != device or self.cos.dtype != dtype or self.cos.shape[0] < need:
+            n = min(cfg.max_seq_len, -(-max(need, 1) // TABLE_STEP) * TABLE_STEP)
+            inv, attention = inverse_frequencies(cfg.rope_theta, cfg.head_dim, scaling, cfg.max_seq_len, device)
+            cos, sin = rotary_tables(torch.arange(n, device=device)[None], inv, attention, dtype)
+            self.cos, self.sin = cos[0, 0], sin[0, 0]
+        return self.cos[positions_BS][:, None], self.sin[positions_BS][:, None]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -9,13 +9,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.attention import Attention, AttentionContext, Padding, RotaryTable
+from models.attention import Attention, AttentionContext, Padding
 from models.basic import Embedding, Linear
 from models.config import ModelConfig
 from models.kv_cache import KVCache
 from models.latent import LatentAttention
 from models.mixture import MoEFeedForward
 from models.norms import make_norm
+from models.rope import RotaryTable
 
 
 class Block(nn.Module):

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.attention import apply_rotary
 from models.kernels import native
 from models.mixture import Dispatched, group_by_expert, weighted_sum
 from models.norms import RMSNorm
+from models.rope import apply_rotary
 from moe import MoEModel
 from moe.bench.speed import decode_step_ops
 from tests.checkpoints import SHIPPED

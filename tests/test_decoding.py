@@ -71,6 +71,26 @@ def test_padded_batch_logits_equal_single_prompt_logits(model):
     assert (batched[1] - alone[0]).abs().max().item() < 1e-5
 
 
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_a_padded_prompt_gets_the_bits_it_gets_alone(tmp_path, dtype):
+    """Each prompt of a left-padded batch attends its own tokens by the path it takes alone, so its logits are its
+    own to the bit whatever it is batched with (through the batch's masked SDPA, bf16 and int8 prompts got other
+    bits than the native kernel gives them alone, and greedy tokens parted after a few)."""
+    from moe.generation import left_pad
+
+    write_checkpoint(tmp_path / "m", tiny_config(dim=128, n_heads=4, n_kv_heads=2, head_dim=32))
+    model = MoEModel.from_pretrained(tmp_path / "m", dtype=dtype)
+    prompts = [[1, 4, 5, 6, 7, 8, 9, 10, 11], [1, 20, 21], [1, 30]]
+    tokens, pad = left_pad(prompts)
+    model.engine.start(3, tokens.shape[1], pad)
+    batched = model.engine.forward_last(tokens, 0)
+    for i, prompt in enumerate(prompts):
+        model.engine.start(1, len(prompt), torch.zeros(1, dtype=torch.long))
+        assert torch.equal(model.engine.forward_last(torch.tensor([prompt]), 0)[0], batched[i]), i
+    alone = [model.generate([p], max_new_tokens=12, temperature=0, ignore_eos=True)[0] for p in prompts]
+    assert model.generate(prompts, max_new_tokens=12, temperature=0, ignore_eos=True) == alone
+
 def test_generation_stops_at_eos_and_at_the_token_limit(model):
     prompt = [1, 5, 9, 33]
     free = model.generate([prompt], max_new_tokens=8, temperature=0)[0]

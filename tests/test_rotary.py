@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.attention import TABLE_STEP, RotaryTable, rotary_tables
-from models.rope import base_frequencies
+from models.rope import TABLE_STEP, RotaryTable, base_frequencies, rotary_tables
 from tests.checkpoints import tiny_config
 
 
