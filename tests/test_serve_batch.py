@@ -56,6 +56,13 @@ def test_joined_sequences_get_their_solo_tokens(model, slots, length, chunk):
     assert_solo_tokens(model, slots, length, chunk)
 
 
+
+def test_joined_sequences_get_their_solo_tokens_in_bf16():
+    """Prompts of several lengths that join in one step are prefilled as one padded batch: each gets its own bits
+    there (`Attention.attend_alone`), so its tokens as alone in bf16 too."""
+    with MoEModel.from_pretrained(TRAINED, dtype="bfloat16") as model:
+        assert_solo_tokens(model, slots=4, length=256, chunk=2048)
+
 LENGTH_DEPENDENT = {"dynamic": dict(rope_type="dynamic", factor=4.0),
                     "longrope": dict(rope_type="longrope", original_max_position_embeddings=16,
                                      short_factor=[1.0 + 0.05 * i for i in range(16)],
