@@ -61,8 +61,9 @@ class AttentionContext:
     mask: torch.Tensor | None  # [B, 1, S, start+S] bool, True = may attend; None: see is_causal
     is_causal: bool = False  # with mask None: causal (a prompt from slot 0) or, if False, every key visible
     slot: torch.Tensor | None = None  # [1] long on the device: a one-token step of static shape (`at_slot`)
-    # a left-padded batch's prompts from slot 0 (no window cut): each sequence's padding, on the host, so that each
-    # attends its own tokens as it would alone (`attend_alone`)
+    # left-padded prompts whose every key before this call is padding (a batch's prompts; the server's joining ones,
+    # which end at its clock), no window cut: each sequence's padding, on the host, so that each attends its own
+    # tokens as it would alone (`attend_alone`)
     pads: tuple[int, ...] | None = None
 
     @property
@@ -97,7 +98,8 @@ class AttentionContext:
         positions = (q_slot[None, :] - pad[:, None]).clamp(min=0) if pad is not None else \
             q_slot[None, :].expand(batch, -1)
         cos, sin = rotary(positions, dtype, start + seq)
-        pads = tuple(padding.host_B.tolist()) if padding is not None and start == 0 else None
+        host = padding.host_B.tolist() if padding is not None else None
+        pads = tuple(host) if host is not None and min(host) >= start else None
         ctx = cls._masked(cfg.sliding_window, start, seq, pad, cos, sin, pads)
         if cfg.full_layers and cfg.sliding_window is not None:
             ctx.full = cls._masked(None, start, seq, pad, cos, sin, pads)
@@ -281,7 +283,7 @@ class Attention(nn.Module):
             # a compiled bf16 step of `small` (2 threads, an EPYC with AVX-512 bf16), so bf16 decodes with it too.
             out = native.decode_attention(q, k, v, ctx.mask).to(x_BSD.dtype)  # in fp32, k and v as they are
         elif ctx.pads is not None and self.choice is not None and self.choice.native:  # prompts padded to a batch
-            out = self.attend_alone(q, k, v, ctx.pads)
+            out = self.attend_alone(q, k, v, ctx.pads, ctx.start)
         elif path == kc.NATIVE_PROMPT_ATTENTION:  # a prompt from slot 0, no padding: k and v are its own
             # 1.1-1.4 ms against SDPA's 3.4-3.8 ms a block for a 512-token prompt of `small` (2 threads, an AVX-512
             # EPYC; torch's flash attention runs MKL's generic products there).
@@ -297,16 +299,18 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               enable_gqa=self.n_heads != self.n_kv_heads)
 
-    def attend_alone(self, q_BHSD, k_BGSD, v_BGSD, pads: tuple[int, ...]) -> torch.Tensor:
-        """Left-padded prompts from slot 0, each over its own tokens by the path it takes alone, so a prompt's
-        attention is the same bits whatever it is batched with (the padded batch's masked SDPA gave other bits than
-        the native kernel in bf16: a request's answer depended on its neighbours). Padding queries get zeros."""
+    def attend_alone(self, q_BHSD, k_BGSD, v_BGSD, pads: tuple[int, ...], start: int) -> torch.Tensor:
+        """Left-padded prompts of a call from slot `start` (every earlier slot padding), each over its own tokens by
+        the path it takes alone, so a prompt's attention is the same bits whatever it is batched with (the padded
+        batch's masked SDPA gave other bits than the native kernel: a request's answer depended on its neighbours).
+        Padding queries get zeros."""
         B, H, S, D = q_BHSD.shape
         out = q_BHSD.new_zeros(B, S, H, D)
         for b, pad in enumerate(pads):
-            q, k, v = q_BHSD[b:b + 1, :, pad:], k_BGSD[b:b + 1, :, pad:], v_BGSD[b:b + 1, :, pad:]
-            path = self.choice.attention(False, S - pad > 1, self.head_dim)
+            first = pad - start  # the call's first query of this prompt
+            q, k, v = q_BHSD[b:b + 1, :, first:], k_BGSD[b:b + 1, :, pad:], v_BGSD[b:b + 1, :, pad:]
+            path = self.choice.attention(False, S - first > 1, self.head_dim)
             one = native.prompt_attention(q, k, v) if path == kc.NATIVE_PROMPT_ATTENTION else \
-                self.sdpa(q, k, v, path, None, S - pad > 1)
-            out[b, pad:] = one[0].transpose(0, 1)
+                self.sdpa(q, k, v, path, None, S - first > 1)
+            out[b, first:] = one[0].transpose(0, 1)
         return out.transpose(1, 2)

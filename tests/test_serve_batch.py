@@ -57,10 +57,12 @@ def test_joined_sequences_get_their_solo_tokens(model, slots, length, chunk):
 
 
 
-def test_joined_sequences_get_their_solo_tokens_in_bf16():
-    """Prompts of several lengths that join in one step are prefilled as one padded batch: each gets its own bits
-    there (`Attention.attend_alone`), so its tokens as alone in bf16 too."""
-    with MoEModel.from_pretrained(TRAINED, dtype="bfloat16") as model:
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_joined_sequences_get_their_solo_tokens_in_bf16_and_int8(dtype):
+    """Joining prompts are prefilled as one padded batch ending at the running rows' clock: each attends its own
+    tokens as alone (`Attention.attend_alone`), so a sampled one draws its solo tokens in bf16 and int8 too (before,
+    the masked SDPA of a join's prefill gave other bits than the native kernel alone)."""
+    with MoEModel.from_pretrained(TRAINED, dtype=dtype) as model:
         assert_solo_tokens(model, slots=4, length=256, chunk=2048)
 
 LENGTH_DEPENDENT = {"dynamic": dict(rope_type="dynamic", factor=4.0),
