@@ -83,11 +83,14 @@ class AttentionContext:
             return torch.ones(seq, length, dtype=torch.bool, device=device).tril(length - seq)
         return self.mask
 
-    def rows(self, index: slice | torch.Tensor) -> AttentionContext:
-        """The context of some sequences of the batch (a rank's rows of it): a slice, or indices on the device."""
+    def rows(self, index: slice | torch.Tensor, host: slice | torch.Tensor | None = None) -> AttentionContext:
+        """The context of some sequences of the batch (a rank's rows of it): a slice, or indices on the device and
+        the same on the host (`host`, for the padding each attends by without a device read)."""
         mask = self.mask[index] if self.mask is not None and self.mask.shape[0] > 1 else self.mask
-        full = self.full.rows(index) if self.full is not None else None
-        pads = self.pads[index] if self.pads is not None and isinstance(index, slice) else None  # no device read
+        full = self.full.rows(index, host) if self.full is not None else None
+        at = index if isinstance(index, slice) else host
+        pads = None if self.pads is None or at is None else \
+            self.pads[at] if isinstance(at, slice) else tuple(self.pads[i] for i in at.tolist())
         return dataclasses.replace(self, cos=self.cos[index], sin=self.sin[index], mask=mask, full=full, pads=pads)
 
     @classmethod

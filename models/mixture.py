@@ -100,7 +100,6 @@ def weighted_sum(y_ND: torch.Tensor, meta: Dispatched, rank_N: torch.Tensor | No
     return out_TD.index_add_(0, meta.token_N, weighted)
 
 
-
 def sum_in_expert_order(copies_TKD: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
     """Each token's K weighted copies added as one rank's grouped sum adds them (`combine`, CPU index_add_): in the
     order of their expert ids, in fp32 from zero, rounded once to their dtype. What ranks that hand each other the
@@ -111,6 +110,7 @@ def sum_in_expert_order(copies_TKD: torch.Tensor, ids_TK: torch.Tensor) -> torch
     for k in range(ordered.shape[1]):
         total = total + ordered[:, k].float()
     return total.to(copies_TKD.dtype)
+
 
 @dataclass
 class LocalDispatched(Dispatched):

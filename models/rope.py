@@ -228,7 +228,7 @@ class RotaryTable:
     reads two rows where it computed a power, a cosine and a sine for every element of q and k in every block (60
     us of a 2.5 ms int8 step). Built at first use on the model's device and dtype, and grown in steps of
     `TABLE_STEP` positions as calls need them. Scalings whose angles depend on a call's length (dynamic NTK,
-    longrope) are computed per call instead (`models.rope`)."""
+    longrope) are computed per call instead (`frequencies_for_length`)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         self.cfg = cfg

@@ -156,9 +156,13 @@ def test_bf16_copies_computed_on_several_ranks_give_the_one_rank_bits(tmp_path):
     ids = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(0))
     with MoEModel.from_pretrained(path, dtype="bfloat16") as one:
         want = [one(ids), one(ids[:, :4]), one(ids[:1, :4])]
+        scores = [o.logprobs for o in one.generate(PROMPTS, max_new_tokens=6, temperature=0, logprobs=0)]
     interleaved = Placement(2, 0, (0, 1), 1, (tuple((e % 2,) for e in range(cfg.n_experts)),) * cfg.n_layers)
     for layout in [dict(gpus=3), dict(gpus=2, attention="replicated"), dict(gpus=2, placement=interleaved)]:
         with MoEModel.from_pretrained(path, dtype="bfloat16", **layout) as model:
             for got, expected in zip([model(ids), model(ids[:, :4]), model(ids[:1, :4])], want, strict=True):
                 assert_same_logits(got, expected)
+            # prompts of several lengths, left-padded (replicated attention: each rank its own, padded again)
+            outs = model.generate(PROMPTS, max_new_tokens=6, temperature=0, logprobs=0)
+            assert [o.logprobs for o in outs] == scores, layout
 

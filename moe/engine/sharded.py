@@ -221,7 +221,7 @@ class ShardedEngine:
             return None, None
         mine = self.rows_of(batch)[self.rank]
         pad = Padding.of(padding.host_B[mine.host], self.dist.device) if padding is not None else None
-        return ctx.rows(mine.device), real_token_rows(pad, seq, start, self.dist.device)
+        return ctx.rows(mine.device, mine.host), real_token_rows(pad, seq, start, self.dist.device)
 
     def routes_alike(self, batch: int) -> dict[int, tuple[int, ...]]:
         """Per block, the ranks that route the same tokens of a batch of `batch` sequences, where several do: the
