@@ -39,6 +39,7 @@ class Padding:
     longest: int  # > 0: a Padding exists only when some sequence is padded
     host_B: torch.Tensor  # [B] long, on the CPU
     device_B: torch.Tensor  # [B] long, on the model's device
+    counts: tuple[int, ...]  # host_B as ints, read once
 
     @classmethod
     def of(cls, pad_B: torch.Tensor | None, device: torch.device | str) -> Padding | None:
@@ -48,7 +49,7 @@ class Padding:
         pads = pad_B.tolist()  # a CPU tensor, once per request
         if not pads or max(pads) == 0:
             return None
-        return cls(max(pads), pad_B.cpu(), pad_B.to(device))
+        return cls(max(pads), pad_B.cpu(), pad_B.to(device), tuple(pads))
 
 
 @dataclass
@@ -89,8 +90,9 @@ class AttentionContext:
         mask = self.mask[index] if self.mask is not None and self.mask.shape[0] > 1 else self.mask
         full = self.full.rows(index, host) if self.full is not None else None
         at = index if isinstance(index, slice) else host
-        pads = None if self.pads is None or at is None else \
-            self.pads[at] if isinstance(at, slice) else tuple(self.pads[i] for i in at.tolist())
+        pads = None
+        if self.pads is not None and at is not None:
+            pads = self.pads[at] if isinstance(at, slice) else tuple(self.pads[i] for i in at.tolist())
         return dataclasses.replace(self, cos=self.cos[index], sin=self.sin[index], mask=mask, full=full, pads=pads)
 
     @classmethod
@@ -101,8 +103,7 @@ class AttentionContext:
         positions = (q_slot[None, :] - pad[:, None]).clamp(min=0) if pad is not None else \
             q_slot[None, :].expand(batch, -1)
         cos, sin = rotary(positions, dtype, start + seq)
-        host = padding.host_B.tolist() if padding is not None else None
-        pads = tuple(host) if host is not None and min(host) >= start else None
+        pads = padding.counts if padding is not None and min(padding.counts) >= start else None
         ctx = cls._masked(cfg.sliding_window, start, seq, pad, cos, sin, pads)
         if cfg.full_layers and cfg.sliding_window is not None:
             ctx.full = cls._masked(None, start, seq, pad, cos, sin, pads)
@@ -292,7 +293,7 @@ class Attention(nn.Module):
             # EPYC; torch's flash attention runs MKL's generic products there).
             out = native.prompt_attention(q, k, v)  # in fp32
         else:
-            out = self.sdpa(q, k, v, path, ctx.mask, ctx.is_causal)
+            out = self.sdpa(q, k, v, path, ctx.mask, ctx.is_causal).to(x_BSD.dtype)
         return self.wo(out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
 
     def sdpa(self, q, k, v, path: str, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:

@@ -81,10 +81,15 @@ class Dispatched:
     n_tokens: int  # T: rows of the combined output
 
 
+def weigh(y_ND: torch.Tensor, weight_N: torch.Tensor) -> torch.Tensor:
+    """Each expert result times its router weight (fp32), cast back like the reference."""
+    return (y_ND * weight_N[:, None]).to(y_ND.dtype)
+
+
 def weighted_sum(y_ND: torch.Tensor, meta: Dispatched, rank_N: torch.Tensor | None = None) -> torch.Tensor:
     """Weight each expert result by its router weight and sum the K copies of every token. `rank_N` (the grouped
     row of each token's k-th copy, `Grouping.rank_N`) turns the scatter into a gather."""
-    weighted = (y_ND * meta.weight_N[:, None]).to(y_ND.dtype)  # weights are fp32; cast like the reference
+    weighted = weigh(y_ND, meta.weight_N)
     if rank_N is not None:  # a compiled step's few copies: no zeroed output, no atomic adds
         copies = weighted[rank_N].view(meta.n_tokens, -1, y_ND.shape[1])  # [T, K, D]
         out_TD = copies[:, 0]

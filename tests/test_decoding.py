@@ -71,7 +71,6 @@ def test_padded_batch_logits_equal_single_prompt_logits(model):
     assert (batched[1] - alone[0]).abs().max().item() < 1e-5
 
 
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_a_padded_prompt_gets_the_bits_it_gets_alone(tmp_path, dtype):
     """Each prompt of a left-padded batch attends its own tokens by the path it takes alone, so its logits are its
@@ -90,6 +89,7 @@ def test_a_padded_prompt_gets_the_bits_it_gets_alone(tmp_path, dtype):
         assert torch.equal(model.engine.forward_last(torch.tensor([prompt]), 0)[0], batched[i]), i
     alone = [model.generate([p], max_new_tokens=12, temperature=0, ignore_eos=True)[0] for p in prompts]
     assert model.generate(prompts, max_new_tokens=12, temperature=0, ignore_eos=True) == alone
+
 
 def test_generation_stops_at_eos_and_at_the_token_limit(model):
     prompt = [1, 5, 9, 33]

@@ -56,7 +56,6 @@ def test_joined_sequences_get_their_solo_tokens(model, slots, length, chunk):
     assert_solo_tokens(model, slots, length, chunk)
 
 
-
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 def test_joined_sequences_get_their_solo_tokens_in_bf16_and_int8(dtype):
     """Joining prompts are prefilled as one padded batch ending at the running rows' clock: each attends its own
@@ -64,6 +63,7 @@ def test_joined_sequences_get_their_solo_tokens_in_bf16_and_int8(dtype):
     the masked SDPA of a join's prefill gave other bits than the native kernel alone)."""
     with MoEModel.from_pretrained(TRAINED, dtype=dtype) as model:
         assert_solo_tokens(model, slots=4, length=256, chunk=2048)
+
 
 LENGTH_DEPENDENT = {"dynamic": dict(rope_type="dynamic", factor=4.0),
                     "longrope": dict(rope_type="longrope", original_max_position_embeddings=16,

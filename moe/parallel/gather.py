@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.mixture import Dispatched, group_by_expert, sum_in_expert_order, weighted_sum
+from models.mixture import Dispatched, group_by_expert, sum_in_expert_order, weigh, weighted_sum
 from moe.parallel.dispatch import AllToAllDispatcher, SlotTable
 from moe.parallel.distributed import DistContext
 
@@ -114,9 +114,9 @@ class ExchangeDispatcher(AllToAllDispatcher):
         """Each weighted copy crosses the ranks unsummed, in its own place (the sum over ranks adds only zeros to
         it, so it is exact), and each token's owner adds its copies in one rank's order: one rank's bits, for K
         times the bytes of partial sums."""
-        n, (K, D) = y_ND.shape[0], (meta.ids_TK.shape[1], y_ND.shape[1])
+        (n, D), K = y_ND.shape, meta.ids_TK.shape[1]
         copies = y_ND.new_zeros(meta.n_tokens * K, D)
-        copies[meta.copy_N[:n]] = (y_ND * meta.weight_N[:n, None]).to(y_ND.dtype)  # as `weighted_sum` weighs
+        copies[meta.copy_N[:n]] = weigh(y_ND, meta.weight_N[:n])
         if meta.everywhere:
             summed = self.dist.sum_in_rank_order(copies).view(meta.n_tokens, K, D)
         else:
