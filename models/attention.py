@@ -62,9 +62,8 @@ class AttentionContext:
     mask: torch.Tensor | None  # [B, 1, S, start+S] bool, True = may attend; None: see is_causal
     is_causal: bool = False  # with mask None: causal (a prompt from slot 0) or, if False, every key visible
     slot: torch.Tensor | None = None  # [1] long on the device: a one-token step of static shape (`at_slot`)
-    # left-padded prompts whose every key before this call is padding (a batch's prompts; the server's joining ones,
-    # which end at its clock), no window cut: each sequence's padding, on the host, so that each attends its own
-    # tokens as it would alone (`attend_alone`)
+    # a call with a mask but no window cut (left-padded prompts, a prompt's later chunk): each sequence's first real
+    # slot, on the host, so that each attends its own tokens as it would alone (`attend_alone`)
     pads: tuple[int, ...] | None = None
 
     @property
@@ -103,7 +102,7 @@ class AttentionContext:
         positions = (q_slot[None, :] - pad[:, None]).clamp(min=0) if pad is not None else \
             q_slot[None, :].expand(batch, -1)
         cos, sin = rotary(positions, dtype, start + seq)
-        pads = padding.counts if padding is not None and min(padding.counts) >= start else None
+        pads = padding.counts if padding is not None else (0,) * batch
         ctx = cls._masked(cfg.sliding_window, start, seq, pad, cos, sin, pads)
         if cfg.full_layers and cfg.sliding_window is not None:
             ctx.full = cls._masked(None, start, seq, pad, cos, sin, pads)
@@ -304,17 +303,23 @@ class Attention(nn.Module):
                                               enable_gqa=self.n_heads != self.n_kv_heads)
 
     def attend_alone(self, q_BHSD, k_BGSD, v_BGSD, pads: tuple[int, ...], start: int) -> torch.Tensor:
-        """Left-padded prompts of a call from slot `start` (every earlier slot padding), each over its own tokens by
-        the path it takes alone, so a prompt's attention is the same bits whatever it is batched with (the padded
-        batch's masked SDPA gave other bits than the native kernel: a request's answer depended on its neighbours).
-        Padding queries get zeros."""
+        """Each sequence of a call from slot `start` over its own keys (from its first real slot, `pads`) by the path
+        it takes alone, so that its attention is the same bits whatever it is batched with (the padded batch's masked
+        SDPA gave other bits than the native kernel: a request's answer depended on its neighbours), and a prompt's
+        later chunk (its earlier keys cached) gives the bits of the prompt in one call (the native kernel's rows
+        depend on their position alone; SDPA's masked rows are only close). Padding queries get zeros."""
         B, H, S, D = q_BHSD.shape
         out = q_BHSD.new_zeros(B, S, H, D)
         for b, pad in enumerate(pads):
-            first = pad - start  # the call's first query of this prompt
+            first = max(pad - start, 0)  # the call's first query of this sequence
+            before = start + first - pad  # the sequence's keys before it, cached by earlier calls
             q, k, v = q_BHSD[b:b + 1, :, first:], k_BGSD[b:b + 1, :, pad:], v_BGSD[b:b + 1, :, pad:]
-            path = self.choice.attention(False, S - first > 1, self.head_dim)
-            one = native.prompt_attention(q, k, v) if path == kc.NATIVE_PROMPT_ATTENTION else \
-                self.sdpa(q, k, v, path, None, S - first > 1)
+            path = self.choice.attention(False, S - first > 1 or before > 0, self.head_dim)
+            if path == kc.NATIVE_PROMPT_ATTENTION:
+                one = native.prompt_attention(q, k, v, before)
+            else:  # causal from the sequence's first slot: a square mask, or the bottom-right one of a later chunk
+                mask = torch.ones(S - first, before + S - first, dtype=torch.bool, device=q.device).tril(before) \
+                    if before else None
+                one = self.sdpa(q, k, v, path, mask, before == 0 and S - first > 1)
             out[b, first:] = one[0].transpose(0, 1)
         return out.transpose(1, 2)

@@ -104,7 +104,7 @@ class MoEModel:
                                          ranks_compile)
         else:
             kind = ranks_device(device, gpus)
-            if kind == "cpu" and cpu_kernels == "auto":
+            if kind == "cpu" and cpu_kernels in ("auto", "native"):
                 native.available()  # built here once, before N ranks start and load it
             if gpus == 1 and placement is None:
                 engine, info = load_here(path, base, device if device.startswith("cuda:") else kind, progress,

@@ -45,15 +45,15 @@ def test_generate_batch_from_prompt_file(tmp_path):
 
 
 def test_cpu_kernels_flag_gives_the_same_greedy_text():
-    """--cpu-kernels auto (the default: the native kernels where they built), onednn and torch (plain F.linear)
-    write the same greedy text."""
+    """--cpu-kernels auto (the default: the native kernels where they built), native (those for every product),
+    onednn and torch (plain F.linear) write the same greedy text."""
     args = ("--prompt", "It is a truth universally acknowledged, that", "--max-new-tokens", "24", "--seed", "0")
     texts = []
-    for kernels in ("auto", "onednn", "torch"):
+    for kernels in ("auto", "native", "onednn", "torch"):
         proc = run_generate(*args, "--cpu-kernels", kernels, ckpt=TRAINED)
         assert proc.returncode == 0, proc.stderr
         texts.append(proc.stdout.split("acknowledged, that", 1)[1].split("\nload ")[0])
-    assert texts[0] == texts[1] == texts[2] and len(texts[0]) > 40
+    assert len(set(texts)) == 1 and len(texts[0]) > 40
 
 
 def test_logit_bias_and_min_tokens_flags_give_the_apis_text():

@@ -77,7 +77,7 @@ def test_packed_experts_match_and_save_dense_stacks():
     assert all(torch.equal(experts.state_dict()[k], v) for k, v in state.items())
 
 
-@pytest.mark.parametrize("kernels", ["auto", "onednn"])
+@pytest.mark.parametrize("kernels", ["auto", "native", "onednn"])
 def test_cpu_kernels_give_the_torch_answer_and_save_the_same_weights(tmp_path, kernels):
     prompts = [[1, 45, 312, 9, 77], [1, 8, 8]]
     ids = torch.tensor([[1, 45, 312, 9, 77, 1000, 3, 4]])
@@ -86,7 +86,7 @@ def test_cpu_kernels_give_the_torch_answer_and_save_the_same_weights(tmp_path, k
     assert fast.info.cpu_kernels == kernels
     if kernels == "auto":
         assert MoEModel.from_pretrained(TRAINED).info.cpu_kernels == "auto"  # the default
-    fmt = weights.Streamed if kernels == "auto" and native.available() else weights.OneDNN
+    fmt = weights.Streamed if kernels in ("auto", "native") and native.available() else weights.OneDNN
     converted = [m for m in fast.engine.model.modules() if isinstance(m, Linear | GroupedExperts)]
     assert all(isinstance(m.kernel.whole if isinstance(m.kernel, weights.Part) else m.kernel, fmt)
                for m in converted if isinstance(m, Linear))
@@ -103,7 +103,7 @@ def test_cpu_kernels_give_the_torch_answer_and_save_the_same_weights(tmp_path, k
 
 
 def test_unknown_kernels_are_refused():
-    with pytest.raises(ValueError, match="cpu_kernels='mkl': use one of auto, onednn, torch"):
+    with pytest.raises(ValueError, match="cpu_kernels='mkl': use one of auto, native, onednn, torch"):
         MoEModel.from_pretrained(TRAINED, cpu_kernels="mkl")
 
 

@@ -91,6 +91,27 @@ def test_a_padded_prompt_gets_the_bits_it_gets_alone(tmp_path, dtype):
     assert model.generate(prompts, max_new_tokens=12, temperature=0, ignore_eos=True) == alone
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_a_prompt_in_chunks_gets_the_bits_of_one_call(tmp_path, dtype):
+    """A prompt prefilled a chunk at a time (the server's long prompts), each chunk's queries over the keys cached
+    before it, gives the logits of the prompt in one call, to the bit: the prompt kernel's rows depend on their
+    position alone (before, a later chunk took the masked SDPA). With cpu_kernels="native", also in bf16 on a CPU
+    with bf16 instructions, where oneDNN's products of dim 512 give a row other bits at other row counts."""
+    write_checkpoint(tmp_path / "m", tiny_config(dim=512, hidden_dim=192, n_heads=8, n_kv_heads=2, head_dim=64))
+    model = MoEModel.from_pretrained(tmp_path / "m", dtype=dtype, cpu_kernels="native")
+    prompt = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+
+    def logits(cuts: tuple[int, ...]) -> torch.Tensor:
+        model.engine.start(1, 40, torch.zeros(1, dtype=torch.long))
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            out = model.engine.forward_last(prompt[:, a:b], a)
+        return out
+
+    whole = logits((0, 40))
+    for cuts in [(0, 20, 40), (0, 16, 33, 40), (0, 2, 4, 37, 40)]:
+        assert torch.equal(logits(cuts), whole), cuts
+
+
 def test_generation_stops_at_eos_and_at_the_token_limit(model):
     prompt = [1, 5, 9, 33]
     free = model.generate([prompt], max_new_tokens=8, temperature=0)[0]

@@ -24,6 +24,7 @@ GPU_INT8 = KernelChoice("cuda", "int8", "auto", "", False, False, False, "cuda: 
 CASES = [  # (choice, rows, the product)
     (cpu(), 1, kc.NATIVE_DECODE), (cpu(), 8, kc.NATIVE_DECODE), (cpu(), 9, kc.NATIVE_PROMPT),
     (cpu("bfloat16"), 64, kc.ONEDNN),  # bf16 instructions: oneDNN's bf16 products beat the prompt kernel
+    (cpu("bfloat16", asked="native"), 64, kc.NATIVE_PROMPT),  # ... but a row's bits depend on the row count there
     (cpu("bfloat16", bf16=False), 64, kc.NATIVE_PROMPT),
     (cpu("int8"), 1, kc.NATIVE_DECODE), (cpu("int8"), 64, kc.NATIVE_PROMPT),
     (cpu(native=False), 1, kc.ONEDNN), (cpu("bfloat16", native=False, bf16=False), 64, kc.WIDENED),
@@ -59,8 +60,20 @@ def test_auto_takes_the_native_kernels_only_where_they_were_measured(monkeypatch
         assert runs or "a generic build" in got.why_not_native
     assert not choose("torch", "cpu", torch.float32).native
     assert choose("auto", "cpu", torch.float16).why_not_native == "float16 weights"
-    with pytest.raises(ValueError, match="cpu_kernels='fast': use one of auto, onednn, torch"):
+    with pytest.raises(ValueError, match="cpu_kernels='fast': use one of auto, native, onednn, torch"):
         choose("fast", "cpu", torch.float32)
+
+
+def test_native_is_refused_where_the_kernels_do_not_run(monkeypatch):
+    """Asked for, the project's kernels never fall back to others: the bits they promise would not hold."""
+    from models.kernels import native
+
+    monkeypatch.setattr(native, "available", lambda: False)
+    monkeypatch.setattr(native, "why_unavailable", lambda: "no compiler")
+    with pytest.raises(ValueError, match=r"^cpu_kernels='native': the project's kernels do not run here \(not built: "
+                                         r"no compiler\)$"):
+        choose("native", "cpu", torch.float32)
+    assert not choose("auto", "cpu", torch.float32).native  # auto takes oneDNN or torch's products instead
 
 
 def test_grouped_experts_on_a_gpu_only_where_torch_has_the_grouped_product():
@@ -73,12 +86,13 @@ def test_the_help_texts_name_what_the_choice_runs():
     import re
 
     from models.kernels import choice as kc
-    from moe.cli.generate import parser
+    from moe.cli import generate, serve
 
     names = {kc.NATIVE_DECODE, kc.NATIVE_PROMPT, kc.ONEDNN}
     assert set(re.findall(r'"([^"]+)"', kc.CPU_KERNELS_HELP)) == names
-    parser_help = next(a.help for a in parser()._actions if "--cpu-kernels" in a.option_strings)
-    assert parser_help == kc.CPU_KERNELS_HELP
+    for command in (generate, serve):
+        flag = next(a for a in command.parser()._actions if "--cpu-kernels" in a.option_strings)
+        assert flag.help == kc.CPU_KERNELS_HELP and tuple(flag.choices) == kc.KERNELS
     for dtype in (torch.float32, torch.bfloat16):
         picked = kc.choose("auto", "cpu", dtype)
         if picked.native:

@@ -1,6 +1,7 @@
 """A prompt's causal attention kernel (models/kernels/csrc/prompt_attention.cpp, AVX-512 builds): torch's causal SDPA
 within fp32 rounding (bf16: one rounding of the result), for grouped heads, prompts that are not a multiple of its tiles
-or chunks, and strided inputs as the model passes them; and the model's prompts run it."""
+or chunks, strided inputs as the model passes them, and a prompt's later chunks (the one call's bits); and the
+model's prompts run it."""
 
 from __future__ import annotations
 
@@ -59,10 +60,35 @@ def test_a_query_sees_the_same_keys_whatever_follows_it():
     assert torch.equal(whole[:, :, :100], head)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_a_later_chunk_is_causal_sdpa_and_gives_the_one_calls_bits(dtype):
+    """Queries from slot `start` over the keys before and at them (a prompt's later chunk, its earlier keys cached):
+    the bottom-right causal SDPA, and the very bits of those queries in the one call of the whole prompt, for
+    chunks of one query, within a tile, across tiles and chunks of keys."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 4, 300, 64, generator=g).to(dtype) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]
+    whole = native.prompt_attention(q, k, v)
+    for cuts in [(0, 100, 300), (0, 17, 18, 130, 299, 300), (0, 1, 2, 64, 65, 300)]:
+        parts = [native.prompt_attention(q[:, :, a:b], k[:, :, :b], v[:, :, :b], a)
+                 for a, b in zip(cuts, cuts[1:], strict=False)]
+        assert torch.equal(torch.cat(parts, dim=2), whole), cuts
+    start = 130
+    mask = torch.ones(300 - start, 300, dtype=torch.bool).tril(start)
+    want = F.scaled_dot_product_attention(q[:, :, start:].double(), k.double(), v.double(), attn_mask=mask,
+                                          enable_gqa=True)
+    got = native.prompt_attention(q[:, :, start:], k, v, start).double()
+    tol = dict(rtol=0, atol=2e-6) if dtype == torch.float32 else dict(rtol=2**-8, atol=1e-6)
+    torch.testing.assert_close(got, want, **tol)
+
+
 def test_prompt_attention_refuses_what_it_does_not_compute():
     q, k = torch.zeros(1, 6, 8, 64), torch.zeros(1, 4, 8, 64)
-    with pytest.raises(RuntimeError, match=r"q \[B, H, S, D\], k and v \[B, G, S, D\]"):
+    with pytest.raises(RuntimeError, match=r"q \[B, H, S, D\], k and v \[B, G, start \+ S, D\]"):
         native.prompt_attention(q, k, k)  # 4 key heads do not divide 6 query heads
+    with pytest.raises(RuntimeError, match="start 2"):
+        native.prompt_attention(q[:, :4], k, k, 2)  # 8 keys for 8 queries from slot 2
     with pytest.raises(RuntimeError, match="all fp32 or all bf16"):
         native.prompt_attention(q.bfloat16(), k[:, :2], k[:, :2])
     with pytest.raises(RuntimeError, match="multiple of 16"):

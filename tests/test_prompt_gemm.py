@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from models import weights
-from models.kernels import native, onednn
+from models.kernels import native
 from models.kernels.choice import choose
 from models.mixture import GroupedExperts
 from tests.checkpoints import ROOT
@@ -72,10 +72,7 @@ def test_a_prompt_through_the_experts_gives_each_row_its_decode_result(dtype, in
     for p in (experts.w1, experts.w2, experts.w3):
         torch.nn.init.normal_(p, std=0.1)
     experts.to(dtype)
-    weights.prepare(experts, choose("auto", "cpu", dtype, int8))
-    if not int8 and dtype == torch.bfloat16 and onednn.native_bf16():
-        assert not experts.choice.native_prompts  # bf16 prompts run oneDNN's bf16 products on such a CPU
-        pytest.skip("a CPU with bf16 instructions: bf16 prompts run oneDNN, not the prompt kernel")
+    weights.prepare(experts, choose("native", "cpu", dtype, int8))  # "auto" on a CPU with bf16 instructions: oneDNN
     assert experts.choice.native_prompts
     counts = torch.tensor([30, 0, 41, 9])
     x = torch.randn(80, 64).to(dtype)

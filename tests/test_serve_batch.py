@@ -56,13 +56,31 @@ def test_joined_sequences_get_their_solo_tokens(model, slots, length, chunk):
     assert_solo_tokens(model, slots, length, chunk)
 
 
+@pytest.mark.parametrize("chunk", [2048, 4], ids=["joins", "chunked"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
-def test_joined_sequences_get_their_solo_tokens_in_bf16_and_int8(dtype):
-    """Joining prompts are prefilled as one padded batch ending at the running rows' clock: each attends its own
-    tokens as alone (`Attention.attend_alone`), so a sampled one draws its solo tokens in bf16 and int8 too (before,
-    the masked SDPA of a join's prefill gave other bits than the native kernel alone)."""
-    with MoEModel.from_pretrained(TRAINED, dtype=dtype) as model:
-        assert_solo_tokens(model, slots=4, length=256, chunk=2048)
+def test_joined_sequences_get_their_solo_tokens_in_bf16_and_int8(dtype, chunk):
+    """Joining prompts are prefilled as one padded batch ending at the running rows' clock, and long ones a chunk a
+    step: each attends its own tokens as alone (`Attention.attend_alone`; a later chunk over its cached keys, with
+    the bits of the prompt in one call), so a sampled one draws its solo tokens in bf16 and int8 too (before, the
+    masked SDPA of a join's prefill or of a later chunk gave other bits than the native kernel alone). "native": a
+    bf16 row's bits are its own whatever its product's row count, on CPUs with bf16 instructions too."""
+    with MoEModel.from_pretrained(TRAINED, dtype=dtype, cpu_kernels="native") as model:
+        assert_solo_tokens(model, slots=4, length=256, chunk=chunk)
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3, 4, 2048])
+def test_a_long_prompt_never_runs_one_token_alone(budget):
+    """A one-token call takes a decode step's attention, whose bits are not the prompt kernel's row: the chunks
+    cover the prompt, none of one token, none past the budget by more than the one token that avoids it."""
+    from moe.serve.batch import chunk_size
+
+    for length in range(2, 30):
+        sizes, left = [], length
+        while left:
+            sizes.append(chunk_size(budget, left))
+            left -= sizes[-1]
+        assert sum(sizes) == length and min(sizes) >= 2, (length, sizes)
+        assert max(sizes) <= max(budget, 2) + 1, (length, sizes)
 
 
 LENGTH_DEPENDENT = {"dynamic": dict(rope_type="dynamic", factor=4.0),

@@ -18,7 +18,7 @@ import torch
 
 from models.kernels import native, onednn
 
-KERNELS = ("auto", "onednn", "torch")  # choices for MoEModel.from_pretrained(cpu_kernels=...)
+KERNELS = ("auto", "native", "onednn", "torch")  # choices for MoEModel.from_pretrained(cpu_kernels=...)
 MEASURED_FLAVOURS = ("avx2", "avx512", "avx512vnni")  # builds whose speed and bits the project has measured
 # Up to this many rows an int8 product without our kernels runs torch's weight-only kernel (`_weight_int8pack_mm`,
 # CPU and CUDA), which reads the int8 weight as it is: no weight-sized temporary per decode step. On a GPU every
@@ -36,8 +36,10 @@ SDPA, SDPA_FP32 = "SDPA", "SDPA in fp32"
 # checks that it names what `choose` runs).
 CPU_KERNELS_HELP = (f"on CPU: auto (default) runs the project's kernels where they built for a measured flavour "
                     f"({', '.join(MEASURED_FLAVOURS)}): decode rows through \"{NATIVE_DECODE}\", prompts through "
-                    f"\"{NATIVE_PROMPT}\" (bf16 on a CPU with bf16 instructions: \"{ONEDNN}\"), else \"{ONEDNN}\" or "
-                    f"torch's products; onednn packs every weight for oneDNN; torch: plain torch products. "
+                    f"\"{NATIVE_PROMPT}\" (bf16 on a CPU with bf16 instructions: \"{ONEDNN}\", faster, whose bits "
+                    f"depend on a product's row count), else \"{ONEDNN}\" or torch's products; native: the project's "
+                    f"kernels for every product, a row's bits its own whatever the batch (refused where they did "
+                    f"not build); onednn packs every weight for oneDNN; torch: plain torch products. "
                     f"model.info.kernels and a line on stderr say what runs")
 
 
@@ -45,7 +47,7 @@ CPU_KERNELS_HELP = (f"on CPU: auto (default) runs the project's kernels where th
 class KernelChoice:
     device: str  # "cpu" or "cuda"
     dtype: str  # the weights' precision: "float32", "bfloat16", "float16" or "int8"
-    asked: str  # cpu_kernels: "auto", "onednn" or "torch"
+    asked: str  # cpu_kernels: "auto", "native", "onednn" or "torch"
     flavour: str  # the native build's flavour on this CPU ("avx512vnni", ...), "" where none was asked or built
     native: bool  # the native kernels run this model's products and attention
     bf16_instructions: bool  # the CPU runs bf16 products natively (oneDNN does bf16 there)
@@ -63,9 +65,10 @@ class KernelChoice:
 
     @property
     def native_prompts(self) -> bool:
-        """Prompts run the native prompt kernel: int8 and fp32, and bf16 where the CPU lacks bf16 instructions
-        (elsewhere oneDNN's bf16 products are faster)."""
-        return self.native and (self.dtype != "bfloat16" or not self.bf16_instructions)
+        """Prompts run the native prompt kernel: int8 and fp32, and bf16 where the CPU lacks bf16 instructions or
+        `native` was asked. Elsewhere oneDNN's bf16 products are faster (AMX and AVX-512 BF16), but a row's bits
+        depend on how many rows its product has: its blocking changes with the row count."""
+        return self.native and (self.dtype != "bfloat16" or not self.bf16_instructions or self.asked == "native")
 
     @property
     def attends_fp32(self) -> bool:
@@ -125,7 +128,7 @@ def choose(asked: str, device: str | torch.device, dtype: torch.dtype, int8: boo
     bf16 = onednn.native_bf16()
     packs = onednn.can_pack(torch.empty(0, dtype=dtype)) and not int8
     flavour, why = "", ""
-    if asked != "auto":
+    if asked not in ("auto", "native"):
         why = f"cpu_kernels={asked!r}"
     elif dtype not in (torch.float32, torch.bfloat16):
         why = f"{name} weights"
@@ -135,4 +138,6 @@ def choose(asked: str, device: str | torch.device, dtype: torch.dtype, int8: boo
         flavour = native.flavour()
         if flavour not in MEASURED_FLAVOURS:
             why = f"a {flavour} build ({platform.machine()}), whose speed the project has not measured"
+    if why and asked == "native":
+        raise ValueError(f"cpu_kernels='native': the project's kernels do not run here ({why})")
     return KernelChoice(device, name, asked, flavour, not why, bf16, packs, why)

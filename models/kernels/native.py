@@ -17,7 +17,8 @@ int16 against its largest value and the products are summed exactly in integers 
 (2 threads on the AVX2 EPYC, 128 rows against 3584 x 512: int8 263 GFLOP/s, bf16 174, fp32 173, where oneDNN
 gives 127-149; `prompt_gemm.cpp` has the figures).
 `decode_attention(q, k, v, mask)`: SDPA of one query per sequence, in fp32, reading only the visible cache slots.
-`prompt_attention(q, k, v)`: causal SDPA of a prompt from the first slot, in fp32 (`prompt_attention_runs`).
+`prompt_attention(q, k, v, start)`: causal SDPA of a prompt (or its chunk from slot `start`), in fp32
+(`prompt_attention_runs`).
 A block's steps between its products, an op each where eager torch takes several (`block_glue.cpp`): `rms_norm`,
 `rotary_into_cache`, `group_by_expert`, `combine`, `count_ids`, `silu_mul`, and `attend_one` (a decode step's
 attention from its q/k/v product); an eager model runs them where `glue_runs`. A decode step's block in two ops
@@ -201,7 +202,7 @@ def _register_fake() -> None:
         return x.new_empty((x.shape[0], w.shape[1]))
 
     @torch.library.register_fake("moe_cpu::prompt_attention")
-    def _(q, k, v):
+    def _(q, k, v, start=0):
         B, H, S, D = q.shape
         return q.new_empty((B, S, H, D)).transpose(1, 2)
 
@@ -249,10 +250,12 @@ def prompt_grouped(x_ND: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tens
     return _ops.grouped_gemm(x_ND, w_EOI, counts_E, scale_EO)
 
 
-def prompt_attention(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor) -> torch.Tensor:
-    """Causal SDPA of a prompt from the first cache slot (no padding), in fp32, heads grouped over the key heads;
-    [B, H, S, D] in q's dtype, a view of a [B, S, H, D] tensor (`prompt_attention.cpp`)."""
-    return _ops.prompt_attention(q_BHSD, k_BGSD, v_BGSD)
+def prompt_attention(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, start: int = 0
+                     ) -> torch.Tensor:
+    """Causal SDPA of a prompt's queries at slots start .. start + S - 1 over keys 0 .. start + S - 1 (no padding), in
+    fp32, heads grouped over the key heads; [B, H, S, D] in q's dtype, a view of a [B, S, H, D] tensor
+    (`prompt_attention.cpp`). A query's bits depend on its slot alone, not on `start`."""
+    return _ops.prompt_attention(q_BHSD, k_BGSD, v_BGSD, start)
 
 
 def glue_runs(native_kernels: bool) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from models.kernels.choice import CPU_KERNELS_HELP, KERNELS
 from moe.cli.common import add_model_args, add_template_kwargs_arg, refuse_gpus_under_torchrun, run_command
 from moe.parallel.distributed import under_torchrun
 from moe.serve.reasoning import PARSERS
@@ -32,6 +33,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--attention", choices=["layer", "replicated", "tensor"], default="layer",
                     help="every block's attention (replicated: each rank attends the sequences it holds)")
     ap.add_argument("--experts", choices=["expert", "tensor", "layer"], default="expert", help="every block's experts")
+    ap.add_argument("--cpu-kernels", choices=KERNELS, default="auto", help=CPU_KERNELS_HELP)
     ap.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together (KV-cache rows)")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="prompt + completion tokens per sequence (default: the model's context, at most 4096)")
@@ -83,7 +85,8 @@ def serve_command(args: argparse.Namespace) -> int:
                            args.max_model_len, args.max_queue, args.max_num_batched_tokens, args.served_model_name,
                            args.api_key, args.max_body_bytes, args.drain_timeout, args.threads, args.attention,
                            args.experts, args.placement, args.timeout, not args.quiet, args.compile,
-                           args.generation_config == "auto", args.chat_template_kwargs, args.reasoning_parser)
+                           args.generation_config == "auto", args.chat_template_kwargs, args.reasoning_parser,
+                           cpu_kernels=args.cpu_kernels)
     if args.gpus > 1 and not under_torchrun():
         return serve_ranks(options, args.gpus)
     return serve(options)

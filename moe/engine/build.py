@@ -21,9 +21,9 @@ def build_model(directory: str | Path, dtype: str | torch.dtype | None = None, d
                 prune: Callable[[Transformer], None] | None = None,
                 progress: Progress | None = None,
                 kernels: str | None = None) -> tuple[Transformer, CheckpointFormat, dict]:
-    """`kernels` ("auto", "onednn" or "torch"; `models.kernels.choice`): an inference model, its linear weights
-    converted to their fastest format block by block as they are read; `dtype="int8"` (inference only) quantizes
-    them."""
+    """`kernels` ("auto", "native", "onednn" or "torch"; `models.kernels.choice`): an inference model, its linear
+    weights converted to their fastest format block by block as they are read; `dtype="int8"` (inference only)
+    quantizes them."""
     ckpt = detect(directory)
     int8 = dtype == INT8
     if int8 and kernels is None:

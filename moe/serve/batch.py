@@ -53,6 +53,14 @@ class Prefill:
     done: int = 0
 
 
+def chunk_size(budget: int, left: int) -> int:
+    """A prefill's next chunk of the `left` tokens: `budget` of them, but never one alone (a one-token call takes a
+    decode step's attention, whose bits are not those of the prompt kernel's row that the prompt alone runs): at
+    least 2, and the last one too when only one would be left."""
+    n = min(max(budget, 2), left)
+    return left if left - n == 1 else n
+
+
 class RunningBatch:
     def __init__(self, engine, length: int, seqs: int, eos: tuple[int, ...] = ()) -> None:
         """`seqs`: the most sequences that run at once (the rows of the caches' store)."""
@@ -132,7 +140,7 @@ class RunningBatch:
         for p in list(self.prefills):
             if budget <= 0:
                 break
-            n = min(budget, len(p.row.prompt) - p.done)
+            n = chunk_size(budget, len(p.row.prompt) - p.done)
             chunk = torch.tensor([p.row.prompt[p.done:p.done + n]], dtype=torch.long)
             with self._apart(p.caches, [p.home]):
                 logits = self.engine.forward_last(chunk, p.done)

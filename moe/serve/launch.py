@@ -48,6 +48,7 @@ class ServeOptions:
     generation_config: bool = True  # a request's sampling defaults: the checkpoint's generation_config.json's
     template_kwargs: dict = field(default_factory=dict)  # the chat template's switches a request leaves out
     reasoning_parser: str | None = None  # chat answers' <think> part apart (`moe.serve.reasoning`)
+    cpu_kernels: str = "auto"  # see MoEModel.from_pretrained
 
 
 def serve(options: ServeOptions) -> int:
@@ -68,7 +69,7 @@ def serve(options: ServeOptions) -> int:
                                          threads=options.threads, attention=options.attention,
                                          experts=options.experts, placement=options.placement,
                                          timeout_s=options.timeout_s, progress=options.progress and rank == 0,
-                                         compile=None if options.compile else False)
+                                         compile=None if options.compile else False, cpu_kernels=options.cpu_kernels)
     except BaseException as e:
         state.dead = f"loading failed: {e}"
         _stop_http(http)

@@ -1,13 +1,16 @@
-// A prompt's causal self-attention from the first cache slot (no earlier keys, no padding), in fp32, on CPUs whose
-// build has AVX-512 (models/kernels/csrc/gemm_micro.h: MOE_GEMM_AVX512).
+// A prompt's causal self-attention in fp32, on CPUs whose build has AVX-512 (models/kernels/csrc/gemm_micro.h:
+// MOE_GEMM_AVX512): S queries at positions start .. start + S - 1 against the start + S keys before and at them (no
+// padding; `start` > 0: a prompt's later chunk, its earlier keys cached).
 //
-// out[b, s, h] = sum_j p_j v[b, g, j] over keys j <= s, p = softmax(scale * q[b, h, s] . k[b, g, j]), g = h / (H / G):
-// what torch's causal SDPA computes. torch's CPU flash attention calls a BLAS product per block of 64 queries and 64
+// out[b, s, h] = sum_j p_j v[b, g, j] over keys j <= start + s, p = softmax(scale * q[b, h, s] . k[b, g, j]),
+// g = h / (H / G): what torch's causal SDPA computes (from the first slot; later, with the bottom-right causal mask). torch's CPU flash attention calls a BLAS product per block of 64 queries and 64
 // keys; on an AMD CPU MKL takes its generic path for them (the small model's 512-token prompt: 3.2-3.8 ms a block,
 // 70-80 GFLOP/s, a seventh to a quarter of the prompt). Here 16 queries are the 16 lanes of a vector: each key's
 // score is 64 multiply-adds of a query tile against that key's values broadcast, and each value column's sum the
 // same against the probabilities, with an online softmax over chunks of 64 keys (exp is SLEEF's, torch's own).
 // Only the keys a tile can see are read. Tiles go to threads in pairs of equal total cost (early and late queries).
+// A query's bits depend on its position alone: its lane sums key chunks from key 0, and a chunk wholly in its future
+// leaves it as it was (scale 1, nothing added); so a prompt's chunks from `start` give the one call's bits.
 
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
@@ -86,11 +89,12 @@ void weighted_values(const float* p, const Heads<float>& v, int64_t b, int64_t g
   }
 }
 
-// Queries r0 .. r0 + 15 (those below S) of head h: their outputs into y, [B, S, H, D] row-major.
+// Queries r0 .. r0 + 15 (those below S) of head h, at positions start + r0 ..: their outputs into y, [B, S, H, D]
+// row-major.
 template <typename T>
 void tile(const Heads<T>& q, const Heads<float>& k, const Heads<float>& v, int64_t b, int64_t h, int64_t g, int64_t r0,
-          int64_t S, int64_t H, int64_t D, float scale, Scratch& s, T* y) {
-  const int64_t rows = std::min(QT, S - r0), keys = r0 + rows;
+          int64_t start, int64_t S, int64_t H, int64_t D, float scale, Scratch& s, T* y) {
+  const int64_t rows = std::min(QT, S - r0), a0 = start + r0, keys = a0 + rows;  // a0: lane 0's position
   for (int64_t r = 0; r < QT; ++r) {
     const T* src = q.row(b, h, r0 + std::min(r, rows - 1));  // lanes past S repeat the last query, never stored
     for (int64_t d = 0; d < D; ++d) s.qt[d * QT + r] = moe_cpu::widen(src[d]) * scale;
@@ -105,8 +109,8 @@ void tile(const Heads<T>& q, const Heads<float>& k, const Heads<float>& v, int64
     __m512 next = top;
     for (int64_t j = 0; j < n; ++j) {
       __m512 sj = _mm512_loadu_ps(s.p.data() + j * QT);
-      if (c0 + j > r0) {  // key c0 + j is in the future of lanes r < c0 + j - r0
-        const __mmask16 hidden = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(c0 + j - r0)));
+      if (c0 + j > a0) {  // key c0 + j is in the future of lanes r < c0 + j - a0
+        const __mmask16 hidden = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(c0 + j - a0)));
         sj = _mm512_mask_mov_ps(sj, hidden, minus_inf);
         _mm512_storeu_ps(s.p.data() + j * QT, sj);
       }
@@ -141,7 +145,7 @@ struct Item {
 };
 
 template <typename T>
-at::Tensor causal_tiles(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+at::Tensor causal_tiles(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start) {
   const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3), G = k.size(1), T_ = (S + QT - 1) / QT;
   at::Tensor y = at::empty({B, S, H, D}, q.options());
   std::vector<Item> by_cost;  // tiles cost their keys: later tiles more
@@ -165,26 +169,29 @@ at::Tensor causal_tiles(const at::Tensor& q, const at::Tensor& k, const at::Tens
     Scratch s{std::vector<float>(D * QT), std::vector<float>(D * QT), std::vector<float>(KC * QT)};
     for (int64_t i = i0; i < i1; ++i) {
       const Item& it = items[i];
-      tile(qh, kh, vh, it.b, it.h, it.h / (H / G), it.t * QT, S, H, D, scale, s, yp);
+      tile(qh, kh, vh, it.b, it.h, it.h / (H / G), it.t * QT, start, S, H, D, scale, s, yp);
     }
   });
   return y.transpose(1, 2);  // [B, H, S, D], as SDPA returns it; the model's reshape to [B, S, H * D] is free
 }
 #endif
 
-// q [B, H, S, D], k and v [B, G, S, D] (G dividing H; each last dimension contiguous), one dtype, fp32 or bf16.
-at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(0) == k.size(0) &&
-                  q.size(2) == k.size(2) && q.size(3) == k.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
-              "prompt_attention: q [B, H, S, D], k and v [B, G, S, D], got ", q.sizes(), ", ", k.sizes(), ", ",
-              v.sizes());
+// q [B, H, S, D], k and v [B, G, start + S, D] (G dividing H; each last dimension contiguous), one dtype, fp32 or
+// bf16.
+at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(0) == k.size(0) && start >= 0 &&
+                  start + q.size(2) == k.size(2) && q.size(3) == k.size(3) && k.size(1) > 0 &&
+                  q.size(1) % k.size(1) == 0,
+              "prompt_attention: q [B, H, S, D], k and v [B, G, start + S, D], got ", q.sizes(), ", ", k.sizes(),
+              ", ", v.sizes(), ", start ", start);
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "prompt_attention: last dims contiguous");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
               "prompt_attention: q, k and v all fp32 or all bf16");
 #ifdef MOE_GEMM_AVX512
   TORCH_CHECK(q.size(3) % 16 == 0, "prompt_attention: a head dim that is a multiple of 16, got ", q.size(3));
-  return q.scalar_type() == at::kFloat ? causal_tiles<float>(q, k, v) : causal_tiles<c10::BFloat16>(q, k, v);
+  return q.scalar_type() == at::kFloat ? causal_tiles<float>(q, k, v, start)
+                                          : causal_tiles<c10::BFloat16>(q, k, v, start);
 #else
   TORCH_CHECK(false, "prompt_attention: built without AVX-512 (models/kernels/native.py: `prompt_attention_runs`)");
 #endif
@@ -192,6 +199,6 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(moe_cpu, m) { m.def("prompt_attention(Tensor q, Tensor k, Tensor v) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(moe_cpu, m) { m.def("prompt_attention(Tensor q, Tensor k, Tensor v, int start=0) -> Tensor"); }
 
 TORCH_LIBRARY_IMPL(moe_cpu, CPU, m) { m.impl("prompt_attention", prompt_attention); }
