@@ -3,9 +3,10 @@
 // padding; `start` > 0: a prompt's later chunk, its earlier keys cached).
 //
 // out[b, s, h] = sum_j p_j v[b, g, j] over keys j <= start + s, p = softmax(scale * q[b, h, s] . k[b, g, j]),
-// g = h / (H / G): what torch's causal SDPA computes (from the first slot; later, with the bottom-right causal mask). torch's CPU flash attention calls a BLAS product per block of 64 queries and 64
-// keys; on an AMD CPU MKL takes its generic path for them (the small model's 512-token prompt: 3.2-3.8 ms a block,
-// 70-80 GFLOP/s, a seventh to a quarter of the prompt). Here 16 queries are the 16 lanes of a vector: each key's
+// g = h / (H / G): what torch's causal SDPA computes (from the first slot; later, with the bottom-right causal mask).
+// torch's CPU flash attention calls a BLAS product per block of 64 queries and 64 keys; on an AMD CPU MKL takes its
+// generic path for them (the small model's 512-token prompt: 3.2-3.8 ms a block, 70-80 GFLOP/s, a seventh to a
+// quarter of the prompt). Here 16 queries are the 16 lanes of a vector: each key's
 // score is 64 multiply-adds of a query tile against that key's values broadcast, and each value column's sum the
 // same against the probabilities, with an online softmax over chunks of 64 keys (exp is SLEEF's, torch's own).
 // Only the keys a tile can see are read. Tiles go to threads in pairs of equal total cost (early and late queries).
@@ -199,6 +200,8 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(moe_cpu, m) { m.def("prompt_attention(Tensor q, Tensor k, Tensor v, int start=0) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(moe_cpu, m) {
+  m.def("prompt_attention(Tensor q, Tensor k, Tensor v, int start=0) -> Tensor");
+}
 
 TORCH_LIBRARY_IMPL(moe_cpu, CPU, m) { m.impl("prompt_attention", prompt_attention); }
