@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from models.kernels import native
 from moe import MoEModel
 from tests.checkpoints import tiny_config, write_checkpoint
 
@@ -91,6 +92,8 @@ def test_a_padded_prompt_gets_the_bits_it_gets_alone(tmp_path, dtype):
     assert model.generate(prompts, max_new_tokens=12, temperature=0, ignore_eos=True) == alone
 
 
+@pytest.mark.skipif(not native.prompt_attention_runs(), reason="the prompt attention kernel needs AVX-512 (elsewhere "
+                    "SDPA, whose rows under a mask are only close to its causal ones)")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_a_prompt_in_chunks_gets_the_bits_of_one_call(tmp_path, dtype):
     """A prompt prefilled a chunk at a time (the server's long prompts), each chunk's queries over the keys cached

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from models.kernels import native
 from moe import MoEModel
 from moe.generation import SamplingParams
 from moe.serve.engine_loop import EngineLoop
@@ -56,7 +57,10 @@ def test_joined_sequences_get_their_solo_tokens(model, slots, length, chunk):
     assert_solo_tokens(model, slots, length, chunk)
 
 
-@pytest.mark.parametrize("chunk", [2048, 4], ids=["joins", "chunked"])
+@pytest.mark.skipif(not native.available(), reason=f"the project's kernels did not build: {native.why_unavailable()}")
+@pytest.mark.parametrize("chunk", [2048, pytest.param(4, marks=pytest.mark.skipif(
+    not native.prompt_attention_runs(), reason="a later chunk's bits: the prompt attention kernel (AVX-512)"))],
+    ids=["joins", "chunked"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 def test_joined_sequences_get_their_solo_tokens_in_bf16_and_int8(dtype, chunk):
     """Joining prompts are prefilled as one padded batch ending at the running rows' clock, and long ones a chunk a
@@ -71,7 +75,7 @@ def test_joined_sequences_get_their_solo_tokens_in_bf16_and_int8(dtype, chunk):
 @pytest.mark.parametrize("budget", [1, 2, 3, 4, 2048])
 def test_a_long_prompt_never_runs_one_token_alone(budget):
     """A one-token call takes a decode step's attention, whose bits are not the prompt kernel's row: the chunks
-    cover the prompt, none of one token, none past the budget by more than the one token that avoids it."""
+    cover the prompt, none of one token, none longer than the budget (at least 2) and the one token that avoids it."""
     from moe.serve.batch import chunk_size
 
     for length in range(2, 30):
