@@ -152,3 +152,17 @@ def test_bf16_attention_runs_in_fp32_where_the_cpu_has_no_bf16_instructions():
         attn.choice = dataclasses.replace(attn.choice, native=False, bf16_instructions=not fp32)  # SDPA
         answers[fp32] = attn(x, ctx, None).float()
     assert torch.allclose(answers[True], answers[False], rtol=2**-6, atol=2**-6 * answers[False].abs().max().item())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not native.available(), reason="the project's kernels did not build here")
+def test_the_servers_cpu_kernels_reach_its_model():
+    """--cpu-kernels native: bf16 prompts through the project's prompt kernel, also on a CPU with bf16 instructions
+    (where "auto" takes oneDNN's), as the model's line on stderr says."""
+    pytest.importorskip("uvicorn")
+    from tests.servers import Server
+
+    with Server(TRAINED, "--dtype", "bfloat16", "--cpu-kernels", "native", "--no-compile") as server:
+        assert server.post("/v1/completions", {"prompt": "And", "max_tokens": 2}).status_code == 200
+        assert server.stop() == 0
+    assert "bfloat16 decode native matvec" in server.said and "prompts native gemm" in server.said

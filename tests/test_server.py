@@ -14,7 +14,6 @@ import httpx
 import pytest
 import torch
 
-from models.kernels import native
 from moe import MoEModel, SamplingParams
 from moe.parallel.distributed import free_port
 from tests.checkpoints import ROOT, TRAINED, tiny_config, write_checkpoint
@@ -231,16 +230,6 @@ def test_backpressure_cancellation_and_sigterm(tmp_path):
         assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
         assert server.stop() == 0
         assert 'File "' in server.said and "(most recent call first)" in server.said
-
-
-@pytest.mark.skipif(not native.available(), reason="the project's kernels did not build here")
-def test_cpu_kernels_reach_the_model():
-    """--cpu-kernels native: bf16 prompts through the project's prompt kernel, also on a CPU with bf16 instructions
-    (where "auto" takes oneDNN's), as the model's line on stderr says."""
-    with Server(TRAINED, "--dtype", "bfloat16", "--cpu-kernels", "native", "--no-compile") as server:
-        assert server.post("/v1/completions", {"prompt": "And", "max_tokens": 2}).status_code == 200
-        assert server.stop() == 0
-    assert "bfloat16 decode native matvec" in server.said and "prompts native gemm" in server.said
 
 
 MIXED = {"world_size": 2, "embed_rank": 0, "head_rank": 1,
