@@ -52,6 +52,12 @@ class Padding:
         return cls(max(pads), pad_B.cpu(), pad_B.to(device), tuple(pads))
 
 
+def causal_mask(seq: int, length: int, device: torch.device) -> torch.Tensor:
+    """[seq, length] bool, True = may attend: the last `seq` of `length` positions, each over the keys up to its own
+    (the bottom-right causal mask; SDPA's `is_causal` aligns it top-left)."""
+    return torch.ones(seq, length, dtype=torch.bool, device=device).tril(length - seq)
+
+
 @dataclass
 class AttentionContext:
     """Everything the attention of one forward call needs besides its input; built once per call."""
@@ -80,7 +86,7 @@ class AttentionContext:
         """The mask as a tensor, for attention written out by hand (no library kernel reads `is_causal` there): the
         context's own, the causal one of a prompt from slot 0 [S, L], or None where every key is visible."""
         if self.mask is None and self.is_causal:
-            return torch.ones(seq, length, dtype=torch.bool, device=device).tril(length - seq)
+            return causal_mask(seq, length, device)
         return self.mask
 
     def rows(self, index: slice | torch.Tensor, host: slice | torch.Tensor | None = None) -> AttentionContext:
@@ -317,9 +323,8 @@ class Attention(nn.Module):
             path = self.choice.attention(False, S - first > 1 or before > 0, self.head_dim)
             if path == kc.NATIVE_PROMPT_ATTENTION:
                 one = native.prompt_attention(q, k, v, before)
-            else:  # causal from the sequence's first slot: a square mask, or the bottom-right one of a later chunk
-                mask = torch.ones(S - first, before + S - first, dtype=torch.bool, device=q.device).tril(before) \
-                    if before else None
+            else:  # causal from the sequence's first slot: SDPA's own mask, or the bottom-right one of a later chunk
+                mask = causal_mask(S - first, before + S - first, q.device) if before else None
                 one = self.sdpa(q, k, v, path, mask, before == 0 and S - first > 1)
             out[b, first:] = one[0].transpose(0, 1)
         return out.transpose(1, 2)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from models.config import ModelConfig
-from models.kernels import native
+from models.kernels import choice, native
 from moe.chat.template import end_of_turn_id
 from moe.checkpoint.files import beside_weights, resolve_checkpoint
 from moe.checkpoint.formats import detect
@@ -104,7 +104,7 @@ class MoEModel:
                                          ranks_compile)
         else:
             kind = ranks_device(device, gpus)
-            if kind == "cpu" and cpu_kernels in ("auto", "native"):
+            if kind == "cpu" and cpu_kernels in choice.NATIVE_ASKS:
                 native.available()  # built here once, before N ranks start and load it
             if gpus == 1 and placement is None:
                 engine, info = load_here(path, base, device if device.startswith("cuda:") else kind, progress,

@@ -19,6 +19,7 @@ import torch
 from models.kernels import native, onednn
 
 KERNELS = ("auto", "native", "onednn", "torch")  # choices for MoEModel.from_pretrained(cpu_kernels=...)
+NATIVE_ASKS = ("auto", "native")  # the choices that run the project's kernels where they build
 MEASURED_FLAVOURS = ("avx2", "avx512", "avx512vnni")  # builds whose speed and bits the project has measured
 # Up to this many rows an int8 product without our kernels runs torch's weight-only kernel (`_weight_int8pack_mm`,
 # CPU and CUDA), which reads the int8 weight as it is: no weight-sized temporary per decode step. On a GPU every
@@ -128,7 +129,7 @@ def choose(asked: str, device: str | torch.device, dtype: torch.dtype, int8: boo
     bf16 = onednn.native_bf16()
     packs = onednn.can_pack(torch.empty(0, dtype=dtype)) and not int8
     flavour, why = "", ""
-    if asked not in ("auto", "native"):
+    if asked not in NATIVE_ASKS:
         why = f"cpu_kernels={asked!r}"
     elif dtype not in (torch.float32, torch.bfloat16):
         why = f"{name} weights"
