@@ -7,6 +7,7 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "gemm_micro.h"
@@ -76,22 +77,84 @@ void transpose_rows(const Lane* const rows[ROWS], int64_t depth, int64_t chained
   }
 }
 
-// dst[chain_major(k, chained)] = src[k] as fp32 for k < in: a weight row widened into the prompt kernel's panel.
-template <int kChains, typename W>
-void widen_chain_major(const W* src, int64_t in, int64_t chained, float* dst) {
-  int64_t k = 0;
 #ifdef MOE_MATVEC_AVX2
-  if constexpr (kChains == 8) {  // 8 x 8 columns at a time: the 8 chains' next 8 values each
-    const int64_t per_chain = chained / 8;
-    for (; k + 64 <= chained; k += 64) {
-      __m256 v[8], t[8];
-      for (int i = 0; i < 8; ++i) v[i] = load_floats(src + k + 8 * i);
-      transpose8(v, t);
-      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(dst + j * per_chain + k / 8, t[j]);
+// dst[at(k0 + j) * COLS + h + i] = v[i][j] for i < min(8, COLS - h), j < 8, where v[i] = `load(h + i, k0)`: the 8
+// values k0 .. k0 + 7 of row h + i (zeros past the group's rows) moved to their places by 8 x 8 transposes.
+template <typename Load, typename At>
+inline void interleave8(Load load, At at, int64_t k0, float* dst) {
+  for (int64_t h = 0; h < COLS; h += 8) {
+    const int64_t width = std::min<int64_t>(8, COLS - h);
+    if (width == 4) {  // the last 4 of 12 rows (AVX-512): a 4 x 8 transpose, a third of an 8 x 8's shuffles
+      const __m256 v0 = load(h, k0), v1 = load(h + 1, k0), v2 = load(h + 2, k0), v3 = load(h + 3, k0);
+      const __m256 a = _mm256_unpacklo_ps(v0, v1), b = _mm256_unpackhi_ps(v0, v1);
+      const __m256 c = _mm256_unpacklo_ps(v2, v3), d = _mm256_unpackhi_ps(v2, v3);
+      const __m256 s[4] = {_mm256_shuffle_ps(a, c, 0x44), _mm256_shuffle_ps(a, c, 0xEE),
+                           _mm256_shuffle_ps(b, d, 0x44), _mm256_shuffle_ps(b, d, 0xEE)};  // columns j | j + 4
+      for (int64_t j = 0; j < 4; ++j) {
+        _mm_storeu_ps(dst + at(k0 + j) * COLS + h, _mm256_castps256_ps128(s[j]));
+        _mm_storeu_ps(dst + at(k0 + j + 4) * COLS + h, _mm256_extractf128_ps(s[j], 1));
+      }
+      continue;
+    }
+    __m256 v[8], t[8];
+    for (int64_t i = 0; i < 8; ++i) v[i] = i < width ? load(h + i, k0) : _mm256_setzero_ps();
+    transpose8(v, t);
+    if (width == 8) {
+      for (int64_t j = 0; j < 8; ++j) _mm256_storeu_ps(dst + at(k0 + j) * COLS + h, t[j]);
+    } else {
+      const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(width)),
+                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      for (int64_t j = 0; j < 8; ++j) _mm256_maskstore_ps(dst + at(k0 + j) * COLS + h, keep, t[j]);
     }
   }
+}
 #endif
-  for (; k < in; ++k) dst[chain_major<kChains>(k, chained)] = static_cast<float>(src[k]);
+
+// dst[chain_major(k, chained) * COLS + c] = rows[c * in + k] as fp32 for k < in, c < n (<= COLS; zeros for c >= n):
+// n weight rows widened into the prompt kernel's layout, chain by chain like a block of rows, COLS rows interleaved
+// (a micro kernel's step reads its COLS values side by side: gemm_micro.h), in one pass of 8 x 8 transposes.
+template <int kChains, typename W>
+inline void widen_interleaved(const W* rows, int64_t in, int64_t chained, int64_t n, float* dst) {
+  const auto at = [chained](int64_t k) { return chain_major<kChains>(k, chained); };
+  int64_t k0 = 0;
+#ifdef MOE_MATVEC_AVX2
+  const auto load = [&](int64_t c, int64_t k) { return c < n ? load_floats(rows + c * in + k) : _mm256_setzero_ps(); };
+  for (; k0 + 8 <= in; k0 += 8) interleave8(load, at, k0, dst);  // 8 columns chained, or all past `chained`
+#endif
+  for (; k0 < in; ++k0) {
+    for (int64_t c = 0; c < COLS; ++c) dst[at(k0) * COLS + c] = c < n ? static_cast<float>(rows[c * in + k0]) : 0.f;
+  }
+}
+
+// dst[j * COLS + c] = int8 row c's pair of columns (2j, 2j + 1) as two int16 (a zero past `in`), for c < n (<= COLS;
+// zeros for c >= n), j < (in + 1) / 2: the int8 kernel's widened rows, interleaved in one pass.
+inline void widen_pairs_interleaved(const int8_t* rows, int64_t in, int64_t n, int32_t* dst) {
+  const int64_t pairs = (in + 1) / 2;
+  int64_t j0 = 0;
+#ifdef MOE_MATVEC_AVX2
+  const auto load = [&](int64_t c, int64_t j) {
+    if (c >= n) return _mm256_setzero_ps();
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + c * in + 2 * j));
+    return _mm256_castsi256_ps(_mm256_cvtepi8_epi16(bytes));
+  };
+  const auto at = [](int64_t j) { return j; };
+  for (; 2 * (j0 + 8) <= in; j0 += 8) interleave8(load, at, j0, reinterpret_cast<float*>(dst));
+#endif
+  for (; j0 < pairs; ++j0) {
+    for (int64_t c = 0; c < COLS; ++c) {
+      const int8_t* r = rows + c * in;
+      const int16_t lo = c < n ? r[2 * j0] : 0, hi = c < n && 2 * j0 + 1 < in ? r[2 * j0 + 1] : 0;
+      dst[j0 * COLS + c] = static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(lo)) |
+                                                (static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16));
+    }
+  }
+}
+
+// Where weight row c's values start in a panel of interleaved groups of COLS rows of `stride` values each: value k
+// at [k * COLS].
+template <typename W>
+inline const W* panel_column(const W* panel, int64_t c, int64_t stride) {
+  return panel + (c / COLS) * COLS * stride + c % COLS;
 }
 
 // y[r * y_stride + c] = fin[c * 16 + r] for r < rows, c < cols: a block's outputs into their rows.

@@ -16,11 +16,11 @@
 //
 // Layout: rows are taken 16 at a time (read in their own dtype, bf16 or fp32) and transposed so that one vector
 // lane holds one row (int8: a 32-bit lane holds a row's two int16 values of a pair of columns), weight rows are
-// widened (int16 or fp32), 48 at a time, and a 16 x 6 (AVX-512: 16 x 12) block of outputs is 12 vector
-// accumulators (models/kernels/csrc/gemm_micro.h); 256 steps of the depth of 16 rows (int8: 16 KB) stay in L1 while the 48
-// weight rows pass (fp32: up to 2048 columns, 256 of each chain, at a time, for longer runs of the inner loop). Work
-// items of equal cost (a panel of weight rows against a block of rows; a thread widens a panel once for its
-// consecutive items on it). A finished 16 x 48 block goes to its rows through 8 x 8 transposes
+// widened (int16 or fp32), 48 at a time, each 6 (AVX-512: 12) interleaved into one stream, and a 16 x 6 (16 x 12)
+// block of outputs is 12 vector accumulators (models/kernels/csrc/gemm_micro.h); 256 steps of the depth of 16 rows
+// (int8: 16 KB) stay in L1 while the 48 weight rows pass (fp32: up to 2048 columns, 256 of each chain, at a time,
+// for longer runs of the inner loop). Work items of equal cost (a panel of weight rows against a block of rows; a
+// thread widens a panel once for its consecutive items on it). A finished 16 x 48 block goes to its rows through 8 x 8 transposes
 // (models/kernels/csrc/gemm_layout.h): written one value at a time, the finish took a sixth of the time at depth 512.
 //
 // 2 threads on the AVX2 EPYC (3.2 GHz), 64-512 rows against in = 512 .. 14336: int8 238-263 GFLOP/s (the inner
@@ -30,7 +30,8 @@
 // bf16 144-170 where the order before gave 157-177, fp32 121-167 where it gave 132-174.
 // On an AVX-512 EPYC with VNNI (2 threads, the small model's shapes: 128-512 rows, in = 512 and 1792; oneDNN's fp32
 // peak there 487 GFLOP/s): the AVX-512 inner loops give int8 595-681 GFLOP/s where AVX2's gave 373-394, fp32 and
-// bf16 325-385 where they gave 203-249.
+// bf16 325-385 where they gave 203-249. On an Intel Xeon (AVX-512, 1 thread) the interleaved panel took fp32 from 84
+// to 99 GFLOP/s at 512 rows, bf16 from 77 to 94 (docs/kernels.md).
 
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
@@ -82,12 +83,12 @@ struct Int8Kind {
   }
   const int8_t* rows(int64_t e, int64_t col) const { return w + (e * out + col) * in; }  // as stored
   int64_t row_bytes() const { return in; }
-  void widen(Wide* dst, int64_t e, int64_t col) const {
-    const int8_t* src = rows(e, col);
-    for (int64_t k = 0; k < in; ++k) dst[k] = src[k];  // vectorized by the compiler
+  // Weight rows col .. col + n - 1 (n <= COLS) widened into a group of the panel, interleaved (gemm_layout.h).
+  void widen(Wide* dst, int64_t e, int64_t col, int64_t n) const {
+    moe_cpu::widen_pairs_interleaved(rows(e, col), in, n, reinterpret_cast<int32_t*>(dst));
   }
   void micro(const Lane* A, const Wide* B, int64_t d0, int64_t d1, int64_t, Total* tot) const {
-    moe_cpu::micro_int8(A, B, stride(), d0, d1, tot);
+    moe_cpu::micro_int8(A, reinterpret_cast<const int32_t*>(B), d0, d1, tot);
   }
   // The finished outputs, in `fin`: fin[c * 16 + r] for row m0 + r and weight row col0 + c, c < cols, every r
   // (x_scale has 16 values past the last row): scaled_sum, then the weight row's scale in fp32, as the decode
@@ -125,7 +126,7 @@ struct FloatKind {
   int64_t stride() const { return depth; }
   // the columns the chains take; the rest follow one by one
   int64_t body() const { return kPairs ? moe_cpu::pair_body(in) : in & ~int64_t{7}; }
-  int64_t chained() const { return body(); }  // stored chain by chain (gemm_layout.h: `chain_major`)
+  int64_t chained() const { return body(); }  // a block of rows stores them chain by chain (gemm_layout.h)
   bool row(const float* x, int64_t, Wide*, const Lane** lanes) const {
     *lanes = x;  // fp32 rows as they are
     return true;
@@ -137,11 +138,12 @@ struct FloatKind {
   }
   const W* rows(int64_t e, int64_t col) const { return w + (e * out + col) * in; }  // as stored
   int64_t row_bytes() const { return in * static_cast<int64_t>(sizeof(W)); }
-  void widen(Wide* dst, int64_t e, int64_t col) const {
-    moe_cpu::widen_chain_major<kPlanes>(rows(e, col), in, chained(), dst);
+  // Weight rows col .. col + n - 1 (n <= COLS) widened into a group of the panel, interleaved (gemm_layout.h).
+  void widen(Wide* dst, int64_t e, int64_t col, int64_t n) const {
+    moe_cpu::widen_interleaved<kPlanes>(rows(e, col), in, chained(), n, dst);
   }
   void micro(const Lane* A, const Wide* B, int64_t d0, int64_t d1, int64_t chain, Total* tot) const {
-    moe_cpu::micro_float<kPlanes>(A, B, stride(), d0, d1, chained(), chain, tot);
+    moe_cpu::micro_float<kPlanes>(A, B, d0, d1, chained(), chain, tot);
   }
   template <typename V>
   static V added(const V* chains) {
@@ -153,13 +155,13 @@ struct FloatKind {
   }
   // Each output as the decode kernel finishes it: its chains added in their order (fp32 weights: `dot_rows`'; bf16:
   // the pair order's), then the columns past the last chained one by one multiply-add each (A: the block of rows,
-  // B: the panel).
+  // B: the panel, interleaved).
   const float* finish(const Total* tot, int64_t, int64_t, int64_t, int64_t cols, float* fin, const Lane* A,
                       const Wide* B) const {
     const int64_t plane = PANEL * ROWS, chained = body();
     for (int64_t c = 0; c < cols; ++c) {
       const float* t = tot + c * ROWS;
-      const Wide* b = B + c * stride();
+      const Wide* b = moe_cpu::panel_column(B, c, stride());
       int64_t r = 0;
 #ifdef MOE_MATVEC_AVX2
       for (; r < ROWS; r += 8) {
@@ -170,7 +172,7 @@ struct FloatKind {
           s = added(chains);
         }
         for (int64_t k = chained; k < in; ++k) {
-          s = _mm256_fmadd_ps(_mm256_loadu_ps(A + k * ROWS + r), _mm256_set1_ps(b[k]), s);
+          s = _mm256_fmadd_ps(_mm256_loadu_ps(A + k * ROWS + r), _mm256_set1_ps(b[k * COLS]), s);
         }
         _mm256_storeu_ps(fin + c * ROWS + r, s);
       }
@@ -179,7 +181,7 @@ struct FloatKind {
         float chains[kPlanes];
         for (int64_t j = 0; j < kPlanes; ++j) chains[j] = t[j * plane + r];
         float s = chained > 0 ? added(chains) : 0.f;
-        for (int64_t k = chained; k < in; ++k) s = moe_cpu::madd(A[k * ROWS + r], b[k], s);
+        for (int64_t k = chained; k < in; ++k) s = moe_cpu::madd(A[k * ROWS + r], b[k * COLS], s);
         fin[c * ROWS + r] = s;
       }
     }
@@ -253,7 +255,9 @@ void gemm_items(const K& kind, const std::vector<typename K::Lane>& A, const std
       const GemmGroup& g = groups[it.group];
       const int64_t cols = std::min(PANEL, kind.out - it.col0);
       if (it.group != widened_group || it.col0 != widened_col) {
-        for (int64_t c = 0; c < cols; ++c) kind.widen(panel.data() + c * stride, g.expert, it.col0 + c);
+        for (int64_t c0 = 0; c0 < cols; c0 += COLS) {
+          kind.widen(panel.data() + c0 * stride, g.expert, it.col0 + c0, std::min(COLS, cols - c0));
+        }
         widened_group = it.group, widened_col = it.col0;
         int64_t j = i + 1;  // this thread's next item on another panel
         while (j < i1 && items[j].group == it.group && items[j].col0 == it.col0) ++j;
