@@ -4,9 +4,9 @@
 // with an array GCC kept them in memory, at a third of the speed), the weight rows' values interleaved, so that a
 // step's broadcasts read one stream (read from COLS rows a multiple of 2 KB apart, the products ran 20-30% slower on
 // an Intel Xeon with AVX-512, whose L1 holds 12 lines of a set: the rows and the block's lines fought for it).
-// AVX2: 6 weight rows, 12 accumulators of 8
-// lanes. AVX-512: 12 weight rows, 12 accumulators of 16 lanes, twice the products per instruction; each lane
-// takes the same multiply-adds in the same order, so both builds give the same bits.
+// AVX2: 6 weight rows, 12 accumulators of 8 lanes. AVX-512: 12 weight rows, 12 accumulators of 16 lanes, twice the
+// products per instruction; each lane takes the same multiply-adds in the same order, so both builds give the same
+// bits.
 
 #pragma once
 

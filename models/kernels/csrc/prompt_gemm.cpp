@@ -20,8 +20,9 @@
 // block of outputs is 12 vector accumulators (models/kernels/csrc/gemm_micro.h); 256 steps of the depth of 16 rows
 // (int8: 16 KB) stay in L1 while the 48 weight rows pass (fp32: up to 2048 columns, 256 of each chain, at a time,
 // for longer runs of the inner loop). Work items of equal cost (a panel of weight rows against a block of rows; a
-// thread widens a panel once for its consecutive items on it). A finished 16 x 48 block goes to its rows through 8 x 8 transposes
-// (models/kernels/csrc/gemm_layout.h): written one value at a time, the finish took a sixth of the time at depth 512.
+// thread widens a panel once for its consecutive items on it). A finished 16 x 48 block goes to its rows through
+// 8 x 8 transposes (models/kernels/csrc/gemm_layout.h): written one value at a time, the finish took a sixth of the
+// time at depth 512.
 //
 // 2 threads on the AVX2 EPYC (3.2 GHz), 64-512 rows against in = 512 .. 14336: int8 238-263 GFLOP/s (the inner
 // loop alone, in cache: 1.5 vpmaddwd a cycle, ~300), where oneDNN on the weights widened to fp32 gives 95-141;
