@@ -100,10 +100,17 @@ class GroupedExperts(nn.Module):
         return cls(cfg.dim, hidden_dim or cfg.hidden_dim, expert_ids, Glu.of(cfg), cfg.expert_bias,
                    cfg.expert_bias and out_bias)
 
+    @property
+    def decode_rows(self) -> int:
+        """Up to this many copies the stacks run the decode kernel, which reads each expert's weight once for its
+        rows (`native.EXPERT_MAX_ROWS`, or `native.MAX_ROWS` per local expert on average: a batch over many small
+        experts, whose few rows each would spend the prompt kernel's time widening weights)."""
+        return max(native.EXPERT_MAX_ROWS, native.MAX_ROWS * len(self.expert_ids))
+
     def forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor | list[int]) -> torch.Tensor:
         """x_ND holds counts_El[0] copies for stacked expert 0, then counts_El[1] for expert 1, ...
         A dispatcher that already read the counts on the host passes them as a list."""
-        path = self.choice.product(x_ND.shape[0], native.EXPERT_MAX_ROWS) if self.choice else None
+        path = self.choice.product(x_ND.shape[0], self.decode_rows) if self.choice else None
         if self.stacks is not None and path in (kc.NATIVE_DECODE, kc.NATIVE_PROMPT):
             # dtype given: a rank holding none of the block's experts gets [] from the all-to-all (torch: float)
             counts = counts_El if isinstance(counts_El, torch.Tensor) and counts_El.dtype == torch.long else \
@@ -180,7 +187,7 @@ class GroupedExperts(nn.Module):
         """`rows` grouped copies run as `decode_block.routed_experts` runs them: the stacks through the native decode
         kernel, no biases, SwiGLU in one op."""
         return (self.stacks is not None and self.biases == (None, None) and self.glu.kind == "silu"
-                and self.glu.native and self.choice.product(rows, native.EXPERT_MAX_ROWS) == kc.NATIVE_DECODE)
+                and self.glu.native and self.choice.product(rows, self.decode_rows) == kc.NATIVE_DECODE)
 
     def expert_reads(self, with_rows: int) -> list[tuple]:
         """The expert products of a decode step where `with_rows` experts get a row each, as

@@ -12,18 +12,22 @@ from models.kernels import choice as kc
 from models.kernels.choice import KernelChoice, choose
 
 
-def cpu(dtype: str = "float32", native: bool = True, bf16: bool = True, asked: str = "auto") -> KernelChoice:
+def cpu(dtype: str = "float32", native: bool = True, bf16: bool = True, asked: str = "auto",
+        fast_bf16: bool | None = None) -> KernelChoice:
+    """`fast_bf16` (oneDNN's bf16 outruns fp32 multiply-adds: AMX, AMD) defaults to `bf16`."""
     onednn = dtype == "float32" or (dtype == "bfloat16" and bf16)
     why = "" if native else "not built: no compiler"
-    return KernelChoice("cpu", dtype, asked, "avx512" if native else "", native, bf16, onednn, why)
+    fast = bf16 if fast_bf16 is None else fast_bf16
+    return KernelChoice("cpu", dtype, asked, "avx512" if native else "", native, bf16, fast, onednn, why)
 
 
-GPU = KernelChoice("cuda", "bfloat16", "auto", "", False, False, False, "cuda: torch's kernels")
-GPU_INT8 = KernelChoice("cuda", "int8", "auto", "", False, False, False, "cuda: torch's kernels")
+GPU = KernelChoice("cuda", "bfloat16", "auto", "", False, False, False, False, "cuda: torch's kernels")
+GPU_INT8 = KernelChoice("cuda", "int8", "auto", "", False, False, False, False, "cuda: torch's kernels")
 
 CASES = [  # (choice, rows, the product)
     (cpu(), 1, kc.NATIVE_DECODE), (cpu(), 8, kc.NATIVE_DECODE), (cpu(), 9, kc.NATIVE_PROMPT),
-    (cpu("bfloat16"), 64, kc.ONEDNN),  # bf16 instructions: oneDNN's bf16 products beat the prompt kernel
+    (cpu("bfloat16"), 64, kc.ONEDNN),  # AMX or AMD's bf16 instructions: oneDNN's bf16 beats the prompt kernel
+    (cpu("bfloat16", fast_bf16=False), 64, kc.NATIVE_PROMPT),  # Intel's AVX-512 BF16 alone: level, so ours
     (cpu("bfloat16", asked="native"), 64, kc.NATIVE_PROMPT),  # ... but a row's bits depend on the row count there
     (cpu("bfloat16", bf16=False), 64, kc.NATIVE_PROMPT),
     (cpu("int8"), 1, kc.NATIVE_DECODE), (cpu("int8"), 64, kc.NATIVE_PROMPT),
@@ -97,5 +101,20 @@ def test_the_help_texts_name_what_the_choice_runs():
         picked = kc.choose("auto", "cpu", dtype)
         if picked.native:
             assert picked.product(1) == kc.NATIVE_DECODE
-            assert picked.product(64) == (kc.ONEDNN if dtype == torch.bfloat16 and picked.bf16_instructions
+            assert picked.product(64) == (kc.ONEDNN if dtype == torch.bfloat16 and picked.fast_bf16
                                           else kc.NATIVE_PROMPT)
+
+
+@pytest.mark.parametrize(("bf16", "amx", "vendor", "fast"), [
+    (True, True, "GenuineIntel", True), (True, False, "GenuineIntel", False), (True, False, "AuthenticAMD", True),
+    (False, False, "AuthenticAMD", False), (False, False, "GenuineIntel", False)])
+def test_onednn_takes_bf16_prompts_only_where_its_bf16_products_were_measured_faster(monkeypatch, bf16, amx, vendor,
+                                                                                    fast):
+    """AMX (3-9x the prompt kernel) and AMD's AVX-512 BF16 (bf16 prefill 1.8x fp32 on a Zen 4 and a Zen 5): oneDNN.
+    Intel's AVX-512 BF16 without AMX: level with the prompt kernel (docs/kernels.md), so the kernel and its bits."""
+    from models.kernels import cpuinfo, onednn
+
+    monkeypatch.setattr(onednn, "native_bf16", lambda: bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(cpuinfo, "fields", lambda: {"vendor_id": vendor})
+    assert onednn.fast_bf16.__wrapped__() == fast

@@ -85,6 +85,30 @@ def test_a_prompt_through_the_experts_gives_each_row_its_decode_result(dtype, in
             assert torch.equal(experts(x[r:r + 1], one)[0], prompt[r])
 
 
+@pytest.mark.parametrize(("dtype", "int8"), [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False)])
+@torch.inference_mode()
+def test_a_batch_over_many_small_experts_runs_the_decode_kernel_with_the_prompt_kernels_bits(monkeypatch, dtype,
+                                                                                            int8):
+    """64 experts, a row each (a decode batch of 8 at top-8): the decode kernel, which reads each weight once, where
+    the prompt kernel would first widen all 64 weights (5-13x slower, docs/kernels.md); 9 rows each (past 8 on
+    average): the prompt kernel. A row gets the same bits either way."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(64, 32, list(range(64)))
+    for p in (experts.w1, experts.w2, experts.w3):
+        torch.nn.init.normal_(p, std=0.1)
+    experts.to(dtype)
+    weights.prepare(experts, choose("native", "cpu", dtype, int8))
+    x = torch.randn(64 * 9, 64).to(dtype)
+    assert experts.decode_rows == 64 * 8 and experts.streams(64 * 8) and not experts.streams(64 * 9)
+    decode = native.grouped
+    monkeypatch.setattr(native, "grouped", lambda *a: pytest.fail("the decode kernel ran"))
+    wide = experts(x, torch.full((64,), 9))
+    monkeypatch.setattr(native, "grouped", decode)
+    monkeypatch.setattr(native, "prompt_grouped", lambda *a: pytest.fail("the prompt kernel ran"))
+    firsts = torch.arange(64) * 9  # each expert's first row, alone in its group
+    assert torch.equal(experts(x[firsts], torch.ones(64, dtype=torch.long)), wide[firsts])
+
+
 # 512 and 1792: one pass per chain; 4100: three passes over the depth (2048 columns each) and a tail of 4; 33 and 7:
 # a tail, and no chained columns at all.
 @pytest.mark.parametrize("width", [512, 1792, 4100, 33, 7])

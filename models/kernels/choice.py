@@ -37,10 +37,10 @@ SDPA, SDPA_FP32 = "SDPA", "SDPA in fp32"
 # checks that it names what `choose` runs).
 CPU_KERNELS_HELP = (f"on CPU: auto (default) runs the project's kernels where they built for a measured flavour "
                     f"({', '.join(MEASURED_FLAVOURS)}): decode rows through \"{NATIVE_DECODE}\", prompts through "
-                    f"\"{NATIVE_PROMPT}\" (bf16 on a CPU with bf16 instructions: \"{ONEDNN}\", faster, whose bits "
-                    f"depend on a product's row count), else \"{ONEDNN}\" or torch's products; native: the project's "
-                    f"kernels for every product, a row's bits its own whatever the batch (refused where they did "
-                    f"not build); onednn packs every weight for oneDNN; torch: plain torch products. "
+                    f"\"{NATIVE_PROMPT}\" (bf16 where AMX or AMD's bf16 instructions run: \"{ONEDNN}\", faster, "
+                    f"whose bits depend on a product's row count), else \"{ONEDNN}\" or torch's products; native: the "
+                    f"project's kernels for every product, a row's bits its own whatever the batch (refused where "
+                    f"they did not build); onednn packs every weight for oneDNN; torch: plain torch products. "
                     f"model.info.kernels and a line on stderr say what runs")
 
 
@@ -52,6 +52,7 @@ class KernelChoice:
     flavour: str  # the native build's flavour on this CPU ("avx512vnni", ...), "" where none was asked or built
     native: bool  # the native kernels run this model's products and attention
     bf16_instructions: bool  # the CPU runs bf16 products natively (oneDNN does bf16 there)
+    fast_bf16: bool  # oneDNN's bf16 products outrun the native prompt kernel here (`onednn.fast_bf16`)
     onednn: bool  # oneDNN runs this dtype's products on this CPU (packed weights with "onednn")
     why_not_native: str  # "" where `native`, else the reason ("cpu_kernels='torch'", the build's error, the CPU)
 
@@ -66,10 +67,10 @@ class KernelChoice:
 
     @property
     def native_prompts(self) -> bool:
-        """Prompts run the native prompt kernel: int8 and fp32, and bf16 where the CPU lacks bf16 instructions or
-        `native` was asked. Elsewhere oneDNN's bf16 products are faster (AMX and AVX-512 BF16), but a row's bits
-        depend on how many rows its product has: its blocking changes with the row count."""
-        return self.native and (self.dtype != "bfloat16" or not self.bf16_instructions or self.asked == "native")
+        """Prompts run the native prompt kernel: int8 and fp32, and bf16 where oneDNN's bf16 products are no faster
+        (no AMX, not AMD's AVX-512 BF16) or `native` was asked. Where they are faster, a row's bits depend on how
+        many rows its product has: oneDNN's blocking changes with the row count."""
+        return self.native and (self.dtype != "bfloat16" or not self.fast_bf16 or self.asked == "native")
 
     @property
     def attends_fp32(self) -> bool:
@@ -125,7 +126,7 @@ def choose(asked: str, device: str | torch.device, dtype: torch.dtype, int8: boo
     device = torch.device(device).type
     name = "int8" if int8 else str(dtype).removeprefix("torch.")
     if device != "cpu":
-        return KernelChoice(device, name, asked, "", False, False, False, f"{device}: torch's kernels")
+        return KernelChoice(device, name, asked, "", False, False, False, False, f"{device}: torch's kernels")
     bf16 = onednn.native_bf16()
     packs = onednn.can_pack(torch.empty(0, dtype=dtype)) and not int8
     flavour, why = "", ""
@@ -141,4 +142,4 @@ def choose(asked: str, device: str | torch.device, dtype: torch.dtype, int8: boo
             why = f"a {flavour} build ({platform.machine()}), whose speed the project has not measured"
     if why and asked == "native":
         raise ValueError(f"cpu_kernels='native': the project's kernels do not run here ({why})")
-    return KernelChoice(device, name, asked, flavour, not why, bf16, packs, why)
+    return KernelChoice(device, name, asked, flavour, not why, bf16, onednn.fast_bf16(), packs, why)

@@ -54,8 +54,11 @@ UNITS = [p for p in SOURCES if p.name.startswith("unity")]
 # Up to this many rows per weight the kernel runs (a decode step, small batches); more rows (prompts) are bound
 # by arithmetic and go to the prompt kernel (or oneDNN, MKL where it does not run).
 MAX_ROWS = 8
-# A block's experts share the rows of a step: up to this many copies (a decode batch of 16 at top-2) they run as
-# one grouped call.
+# A block's experts share the rows of a step: up to this many copies (a decode batch of 16 at top-2), or MAX_ROWS
+# per local expert on average where that is more (`GroupedExperts.decode_rows`), they run the decode kernel in one
+# grouped call. With up to 8 rows an expert it ran 1.4-3x faster than the prompt kernel, which widens every expert's
+# weight first; at 16 rows bf16 1.2-1.5x, int8 0.5-0.95x (64 experts [384, 512] and [512, 192], 8 [3584, 512] and
+# [512, 1792]; docs/kernels.md).
 EXPERT_MAX_ROWS = 4 * MAX_ROWS
 # -ffp-contract=off: the compiler never fuses a multiply and an add on its own, so each kernel rounds exactly where
 # its code says, and the decode and prompt kernels, which sum in one order (row_dot.h: `dot_rows`; bf16 weights:
