@@ -47,7 +47,8 @@ def fast_bf16() -> bool:
     prefilled bf16 1.8x faster than fp32). Intel's AVX-512 BF16 without AMX (a Xeon whose hypervisor hides its AMX)
     runs a bf16 dot product at the fp32 multiply-adds' rate: oneDNN's bf16 products were level with the native
     prompt kernel there (docs/kernels.md)."""
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    tiles = getattr(torch.cpu, "_is_amx_tile_supported", None)  # the OS's permission too; older torch: the flag
+    amx = tiles() if tiles else "amx_tile" in cpuinfo.flags()
     return native_bf16() and (amx or cpuinfo.fields().get("vendor_id") == "AuthenticAMD")
 
 
