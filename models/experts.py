@@ -103,8 +103,12 @@ class GroupedExperts(nn.Module):
     @property
     def decode_rows(self) -> int:
         """Up to this many copies the stacks run the decode kernel, which reads each expert's weight once for its
-        rows (`native.EXPERT_MAX_ROWS`, or `native.MAX_ROWS` per local expert on average: a batch over many small
-        experts, whose few rows each would spend the prompt kernel's time widening weights)."""
+        rows: `native.EXPERT_MAX_ROWS`, or `native.MAX_ROWS` per local expert on average where prompts run the
+        prompt kernel (a batch over many small experts, whose few rows each would spend its time widening weights;
+        both kernels give a row the same bits, so a rank's share of a batch may take either). Where prompts run
+        oneDNN, an expert's rows past EXPERT_MAX_ROWS take oneDNN's bits on every rank count (`prepare_weights`)."""
+        if self.choice is None or not self.choice.native_prompts:
+            return native.EXPERT_MAX_ROWS
         return max(native.EXPERT_MAX_ROWS, native.MAX_ROWS * len(self.expert_ids))
 
     def forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor | list[int]) -> torch.Tensor:

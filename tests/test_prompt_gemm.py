@@ -5,6 +5,7 @@ one order, models/kernels/csrc/row_dot.h), within rounding of float64, zeros pas
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -107,6 +108,9 @@ def test_a_batch_over_many_small_experts_runs_the_decode_kernel_with_the_prompt_
     monkeypatch.setattr(native, "prompt_grouped", lambda *a: pytest.fail("the prompt kernel ran"))
     firsts = torch.arange(64) * 9  # each expert's first row, alone in its group
     assert torch.equal(experts(x[firsts], torch.ones(64, dtype=torch.long)), wide[firsts])
+    # Where bf16 prompts run oneDNN (AMX, AMD), whose bits differ, an expert's rows past 32 take them on any rank count
+    experts.choice = dataclasses.replace(experts.choice, asked="auto", fast_bf16=True)
+    assert experts.decode_rows == (native.EXPERT_MAX_ROWS if dtype == torch.bfloat16 and not int8 else 64 * 8)
 
 
 # 512 and 1792: one pass per chain; 4100: three passes over the depth (2048 columns each) and a tail of 4; 33 and 7:
