@@ -125,6 +125,12 @@ class GroupedExperts(nn.Module):
             return self.grouped(x_ND, counts_El)
         # One host sync per layer (none if the dispatcher read them): the counts decide which experts run.
         counts = counts_El.tolist() if isinstance(counts_El, torch.Tensor) else counts_El
+        if (self.stacks is not None and self.choice is not None and self.choice.native and counts
+                and max(counts) <= native.EXPERT_MAX_ROWS and sum(counts) == x_ND.shape[0]):
+            # Every expert's rows would take the decode kernel, a call each (`prepare_weights`): one grouped call
+            # instead (bf16 prompts on oneDNN, a batch over many experts), the same bits.
+            counts_t = torch.as_tensor(counts, dtype=torch.long, device=x_ND.device)
+            return self.streamed_forward(x_ND, counts_t, native.grouped)
         training = torch.is_grad_enabled() and self.w1.requires_grad
         # unbind: one view per expert, whose backward stacks the gradients once (indexing would zero-fill)
         stacks = list(zip(self.w1.unbind(0), self.w2.unbind(0), self.w3.unbind(0), strict=True)) if training else None

@@ -113,6 +113,33 @@ def test_a_batch_over_many_small_experts_runs_the_decode_kernel_with_the_prompt_
     assert experts.decode_rows == (native.EXPERT_MAX_ROWS if dtype == torch.bfloat16 and not int8 else 64 * 8)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@torch.inference_mode()
+def test_where_bf16_prompts_run_onednn_a_batch_over_many_experts_is_one_call_with_the_per_expert_bits(monkeypatch,
+                                                                                                     bias):
+    """AMX and AMD (`fast_bf16`): an expert's rows up to 32 take the decode kernel a call each; 64 experts with a few
+    rows each run as one grouped call of it instead, the same bits as the calls one by one."""
+    torch.manual_seed(1)
+    experts = GroupedExperts(64, 32, list(range(64)), bias=bias)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    experts.to(torch.bfloat16)
+    weights.prepare(experts, dataclasses.replace(choose("auto", "cpu", torch.bfloat16), fast_bf16=True))
+    assert not experts.choice.native_prompts
+    counts = torch.randint(0, 4, (64,))
+    counts[5] = 32  # the most rows one expert's decode kernel takes
+    x = torch.randn(int(counts.sum()), 64).to(torch.bfloat16)
+    starts = [0, *counts.cumsum(0).tolist()]
+    want = torch.cat([experts.one_expert(e, x[starts[e]:starts[e + 1]], None) for e in range(64) if counts[e]])
+    with monkeypatch.context() as m:
+        m.setattr(experts, "one_expert", lambda *a: pytest.fail("an expert ran alone"))
+        assert torch.equal(experts(x, counts), want)
+    counts[5] = 33  # past it: oneDNN's bits for that expert, so the experts run one by one
+    x = torch.randn(int(counts.sum()), 64).to(torch.bfloat16)
+    monkeypatch.setattr(experts, "streamed_forward", lambda *a: pytest.fail("one grouped call"))
+    experts(x, counts)
+
+
 # 512 and 1792: one pass per chain; 4100: three passes over the depth (2048 columns each) and a tail of 4; 33 and 7:
 # a tail, and no chained columns at all.
 @pytest.mark.parametrize("width", [512, 1792, 4100, 33, 7])
