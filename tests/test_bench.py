@@ -22,7 +22,7 @@ from moe.bench.in_turns import (
 )
 from moe.bench.llama_cpp import combine
 from moe.bench.peer_turns import PRODUCTS, besides_products, decode_in_turns, print_decode_in_turns, ratios
-from moe.bench.step_parts import compiled_step_parts, print_compiled_step_parts
+from moe.bench.step_parts import compiled_step_parts, print_compiled_step_parts, print_pipeline_step_parts
 from moe.cli.bench import print_comparisons, print_products
 from tests.checkpoints import ROOT, SHIPPED, TRAINED
 
@@ -122,6 +122,20 @@ def test_a_compiled_two_rank_step_is_told_apart_into_its_sums_broadcast_and_comp
     out = capsys.readouterr().out
     assert "8 sums over ranks 2.00 (one: median 0.15 / p90 0.30 / max 5.00)" in out
     assert "computing 3.50 = 1.00x the compiled 1-rank step" in out
+
+
+@pytest.mark.multiprocess
+def test_a_compiled_pipeline_step_is_told_apart_into_its_hand_offs_and_each_ranks_computing(capsys):
+    first, last = compiled_step_parts(str(TRAINED), "float32", 2, "layer/layer")
+    for p in (first, last):  # no sums over ranks in a pipeline; the token reaches rank 0 from the head's rank 1
+        assert p["sums"] == 0 and "sum_median" not in p and 0 < p["broadcast"] < p["step"] < 1
+    assert first["sent"] > 0 == first["waited"] and last["waited"] > 0 == last["sent"]  # hidden states 0 -> 1
+    print_pipeline_step_parts([{"step": 0.005, "sums": 0, "broadcast": 0.0025, "sent": 0.0002, "waited": 0},
+                               {"step": 0.005, "sums": 0, "broadcast": 0.0002, "sent": 0, "waited": 0.0023}], 0.004)
+    out = capsys.readouterr().out
+    assert "rank 0: step 5.00 ms, of which hidden states sent on 0.20, waited for 0.00, the token broadcast 2.50, " \
+        "computing 2.30" in out and "rank 1: step 5.00 ms" in out and "computing 2.50" in out
+    assert "the ranks' computing together 4.80 ms = 1.20x the floor" in out and "hand-offs 0.20 ms a step" in out
 
 
 def test_decode_in_turns_with_a_peer_sets_each_round_against_the_peer_of_that_round(capsys):

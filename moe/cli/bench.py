@@ -161,8 +161,10 @@ def print_exchange_counts(path: Path, args: argparse.Namespace) -> None:
 def print_n_ranks(path: Path, args: argparse.Namespace, cfg) -> dict:
     """N ranks: their collectives per block, their batch-1 steps measured in turns with the 1-rank step, where a
     compiled one goes, and what one collective costs here. Returns the figures for the JSON."""
-    from moe.bench.in_turns import decode_steps_in_turns, print_steps_in_turns
-    from moe.bench.step_parts import compiled_step_parts, print_compiled_step_parts
+    from moe.bench.collectives import strategy_plan
+    from moe.bench.in_turns import ONE_CORE, decode_steps_in_turns, print_steps_in_turns
+    from moe.bench.step_parts import compiled_step_parts, print_compiled_step_parts, print_pipeline_step_parts
+    from moe.engine.pipeline import pipeline_refusal
 
     print_exchange_counts(path, args)
     in_turns = None
@@ -173,8 +175,12 @@ def print_n_ranks(path: Path, args: argparse.Namespace, cfg) -> dict:
         print_steps_in_turns(in_turns, differ, args.gpus, IN_TURNS_ROUNDS)
     parts = compiled_step_parts(str(path), args.dtype, args.gpus)
     print_compiled_step_parts(parts, cfg.n_layers, (in_turns or {}).get("1 rank, compiled"))
+    pipeline = None
+    if pipeline_refusal(strategy_plan(cfg, args.gpus, "layer/layer")) is None:  # a block on every rank
+        pipeline = compiled_step_parts(str(path), args.dtype, args.gpus, "layer/layer")
+        print_pipeline_step_parts(pipeline, (in_turns or {}).get(ONE_CORE))
     print_collective_cost(args.gpus, cfg.dim)
-    return {"decode_steps_in_turns": in_turns, "compiled_step_parts": parts}
+    return {"decode_steps_in_turns": in_turns, "compiled_step_parts": parts, "pipeline_step_parts": pipeline}
 
 
 def print_collective_cost(gpus: int, dim: int) -> None:
