@@ -45,6 +45,20 @@ def test_each_case_runs_its_product(choice, rows, product):
     assert choice.product(rows) == product
 
 
+APART = [  # (choice, whether the server prefills joining prompts a call each)
+    (cpu("bfloat16"), True),  # decode rows the native kernel's, prompts oneDNN's: a prompt's bits follow its batch
+    (cpu("bfloat16", fast_bf16=False), False), (cpu("bfloat16", asked="native"), False), (cpu(), False),
+    (cpu("int8"), False),  # every product the native kernels', whatever the row count
+    (cpu(native=False), False), (cpu(native=False, asked="torch"), False),  # decode steps too follow their batch
+    (GPU, False), (GPU_INT8, False),
+]
+
+
+@pytest.mark.parametrize(("choice", "apart"), APART)
+def test_joining_prompts_are_prefilled_apart_only_where_that_alone_keeps_a_request_its_own(choice, apart):
+    assert choice.prompts_apart == apart
+
+
 def test_attention_by_case():
     assert cpu().attention(True, False, 16) == kc.NATIVE_ATTENTION
     assert cpu().attention(False, False, 16) == kc.SDPA  # a padded batch or a continued prompt

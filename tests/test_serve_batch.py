@@ -14,8 +14,9 @@ import threading
 import time
 
 import pytest
+import torch
 
-from models.kernels import native
+from models.kernels import native, onednn
 from moe import MoEModel
 from moe.generation import SamplingParams
 from moe.serve.engine_loop import EngineLoop
@@ -70,6 +71,26 @@ def test_joined_sequences_get_their_solo_tokens_in_bf16_and_int8(dtype, chunk):
     bf16 row's bits are its own whatever its product's row count, on CPUs with bf16 instructions too."""
     with MoEModel.from_pretrained(TRAINED, dtype=dtype, cpu_kernels="native") as model:
         assert_solo_tokens(model, slots=4, length=256, chunk=chunk)
+
+
+@pytest.mark.skipif(not native.available(), reason=f"the project's kernels did not build: {native.why_unavailable()}")
+@pytest.mark.skipif(not onednn.native_bf16(), reason="oneDNN runs bf16 products only on a CPU with bf16 instructions")
+def test_where_prompts_run_a_product_whose_bits_follow_its_row_count_joining_prompts_are_prefilled_apart(monkeypatch):
+    """bf16 prompts on a CPU with AMX or AMD's bf16 instructions run oneDNN, whose bits for a row change with the
+    product's row count; here its products are made so (a row's result scaled by its product's row count), and the
+    two prompts that join together at the first step still draw their solo tokens: each is prefilled in a call of
+    its own. Before, they were one padded batch, with other row counts than either has alone."""
+    real = onednn.linear
+
+    def by_row_count(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = real(x, weight)
+        return out * (1 + 2**-4 * ((x.numel() // x.shape[-1]) % 3))
+
+    monkeypatch.setattr(onednn, "fast_bf16", lambda: True)
+    monkeypatch.setattr(onednn, "linear", by_row_count)
+    with MoEModel.from_pretrained(TRAINED, dtype="bfloat16", compile=False) as model:
+        assert model.engine.model.kernel_choice.prompts_apart
+        assert_solo_tokens(model, slots=4, length=256, chunk=2048)
 
 
 @pytest.mark.parametrize("budget", [1, 2, 3, 4, 2048])

@@ -73,6 +73,13 @@ class KernelChoice:
         return self.native and (self.dtype != "bfloat16" or not self.fast_bf16 or self.asked == "native")
 
     @property
+    def prompts_apart(self) -> bool:
+        """Prompts that join a running batch are best prefilled a call each: decode steps give a row the same bits
+        whatever the batch (the native decode kernel) but prompts do not (oneDNN's bf16 products), so a prompt is
+        answered as alone only where its products have the rows they have alone."""
+        return self.product(1) == NATIVE_DECODE and self.product(512) not in (NATIVE_DECODE, NATIVE_PROMPT)
+
+    @property
     def attends_fp32(self) -> bool:
         """bf16 attention through SDPA in fp32: torch's bf16 SDPA takes a generic path on a CPU without bf16
         instructions, 3x slower than with the casts (a decode step of `small`, 256 slots, an AVX2 EPYC)."""

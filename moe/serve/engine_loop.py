@@ -32,6 +32,8 @@ class EngineLoop:
             chunk = length
         self.engine, self.dist, self.scheduler, self.chunk = engine, dist, scheduler, chunk
         self.batch = RunningBatch(engine, length, seqs, eos)
+        choice = getattr(getattr(engine, "model", None), "kernel_choice", None)  # alike on every rank (`moe.api`)
+        self.apart = choice is not None and choice.prompts_apart  # joining prompts prefilled a call each
         self.distributed = dist is not None and dist.world_size > 1
         self.loads_at = -math.inf  # the first plan gathers the expert load: /metrics has it from the first request on
 
@@ -53,8 +55,9 @@ class EngineLoop:
                     if self.scheduler is not None:
                         self.scheduler.finish_scored(plan.score_only)
                 whole = [r for r in rows if len(r.prompt) <= self.chunk]
-                if whole:
-                    self._sample(self.batch.join(whole), whole)
+                for group in [[r] for r in whole] if self.apart else [whole]:
+                    if group:
+                        self._sample(self.batch.join(group), group)
                 for row in rows:
                     if len(row.prompt) > self.chunk:
                         self.batch.start_prefill(row)
