@@ -77,7 +77,7 @@ class KernelChoice:
         """Prompts that join a running batch are best prefilled a call each: decode steps give a row the same bits
         whatever the batch (the native decode kernel) but prompts do not (oneDNN's bf16 products), so a prompt is
         answered as alone only where its products have the rows they have alone."""
-        return self.product(1) == NATIVE_DECODE and self.product(512) not in (NATIVE_DECODE, NATIVE_PROMPT)
+        return self.native and not self.native_prompts
 
     @property
     def attends_fp32(self) -> bool:

@@ -93,11 +93,16 @@ def _parts_on_rank(rank: int, world_size: int, port: int, path: str, dtype: str,
     dist.destroy()
 
 
+def _computing(p: dict) -> float:
+    """A rank's step less its time in sums over ranks, the token broadcast and hand-offs (0 where it has none)."""
+    return p["step"] - p["sums"] - p["broadcast"] - p.get("sent", 0) - p.get("waited", 0)
+
+
 def print_compiled_step_parts(parts: list[dict], blocks: int, one_rank_compiled_s: float | None,
                               strategy: str = "replicated/tensor") -> None:
     lines = []
     for rank, p in enumerate(parts):
-        computing = p["step"] - p["sums"] - p["broadcast"] - p.get("sent", 0) - p.get("waited", 0)
+        computing = _computing(p)
         against = f" = {computing / one_rank_compiled_s:.2f}x the compiled 1-rank step" if one_rank_compiled_s else ""
         lines.append(f"rank {rank}: step {p['step'] * 1e3:.2f} ms, of which {blocks} sums over ranks "
                      f"{p['sums'] * 1e3:.2f} (one: median {p['sum_median'] * 1e3:.2f} / p90 {p['sum_p90'] * 1e3:.2f} / "
@@ -112,7 +117,7 @@ def print_pipeline_step_parts(parts: list[dict], floor_s: float | None) -> None:
     their sum against the floor of ranks that take turns (`floor_s`, the compiled 1-rank step on one core)."""
     lines, computing = [], []
     for rank, p in enumerate(parts):
-        computing.append(p["step"] - p["sent"] - p["waited"] - p["broadcast"])
+        computing.append(_computing(p))
         lines.append(f"rank {rank}: step {p['step'] * 1e3:.2f} ms, of which hidden states sent on "
                      f"{p['sent'] * 1e3:.2f}, waited for {p['waited'] * 1e3:.2f}, the token broadcast "
                      f"{p['broadcast'] * 1e3:.2f}, computing {computing[-1] * 1e3:.2f}")

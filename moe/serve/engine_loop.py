@@ -32,7 +32,7 @@ class EngineLoop:
             chunk = length
         self.engine, self.dist, self.scheduler, self.chunk = engine, dist, scheduler, chunk
         self.batch = RunningBatch(engine, length, seqs, eos)
-        choice = getattr(getattr(engine, "model", None), "kernel_choice", None)  # alike on every rank (`moe.api`)
+        choice = getattr(engine.model, "kernel_choice", None)  # alike on every rank (`moe.api`)
         self.apart = choice is not None and choice.prompts_apart  # joining prompts prefilled a call each
         self.distributed = dist is not None and dist.world_size > 1
         self.loads_at = -math.inf  # the first plan gathers the expert load: /metrics has it from the first request on
